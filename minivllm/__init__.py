@@ -1,0 +1,18 @@
+"""minivllm: a readable, step-by-step vLLM-style inference engine, written as a book.
+
+    from minivllm import LLM, SamplingParams
+"""
+
+from minivllm.llm import LLM
+from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from minivllm.sampling import SamplingParams
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "Logprob",
+]
+__version__ = "0.1.0"

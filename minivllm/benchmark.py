@@ -1,0 +1,216 @@
+"""The benchmark harness: run generation methods side by side on one workload, print ratios.
+
+These machines are noisy, so an absolute tokens/s only means something next to another
+method measured in the same run. Each method generates exactly the workload's output lengths
+(greedy, EOS ignored), and we also report whether its tokens equal the first method's: a
+faster method that changes the answer is not an optimization.
+
+Methods are registered by name with the chapter that introduced them; later chapters add
+theirs to `METHODS`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from minivllm.kv_cache import generate_static_batch
+from minivllm.model_loader import load_model, load_tokenizer, resolve_model_path
+from minivllm.models.llama import LlamaForCausalLM
+from minivllm.naive import generate_with_transformers, generate_without_cache
+from minivllm.request import Request
+from minivllm.sampling import Sampler, SamplingParams
+from minivllm.workloads import Workload
+
+
+@dataclass
+class BenchmarkContext:
+    """The model loaded once and shared by every method of a run."""
+
+    model_dir: Path
+    model: LlamaForCausalLM
+    tokenizer: object
+    dtype: torch.dtype
+    batch_size: int = 16  # rows per static batch
+    _hf_model: object = field(default=None, repr=False)
+
+    @classmethod
+    def load(cls, model=None, dtype: torch.dtype = torch.float32, batch_size: int = 16):
+        model_dir = resolve_model_path(model)
+        return cls(model_dir, load_model(model_dir, dtype), load_tokenizer(model_dir), dtype, batch_size)
+
+    @property
+    def hf_model(self):
+        """transformers' model of the same directory, loaded on first use."""
+        if self._hf_model is None:
+            from transformers import AutoModelForCausalLM
+
+            self._hf_model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+            self._hf_model.eval()
+        return self._hf_model
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
+
+
+@dataclass
+class Method:
+    name: str
+    label: str
+    chapter: int
+    run: Callable[[BenchmarkContext, Workload], list[list[int]]]  # -> generated ids per request
+
+
+@dataclass
+class MethodResult:
+    method: str
+    label: str
+    chapter: int
+    seconds: float
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    same_tokens_as_first: float  # share of requests whose tokens equal the first method's
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.seconds
+
+
+def _run_transformers_one_at_a_time(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
+    # eos_token_id=None: never stop early, generate exactly the requested length.
+    return [
+        generate_with_transformers(ctx.hf_model, prompt, n, eos_token_id=None)
+        for prompt, n in zip(workload.prompts, workload.output_lengths)
+    ]
+
+
+def _run_without_cache(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
+    return [
+        generate_without_cache(ctx.model, prompt, n, eos_token_id=None)
+        for prompt, n in zip(workload.prompts, workload.output_lengths)
+    ]
+
+
+def _greedy_requests(ctx: BenchmarkContext, workload: Workload) -> list[Request]:
+    return [
+        Request.create(
+            str(i),
+            None,
+            prompt,
+            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+            ctx.tokenizer,
+            eos_token_ids=(),
+            max_model_len=ctx.model.config.max_model_len,
+        )
+        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lengths))
+    ]
+
+
+def _run_static_batches(
+    ctx: BenchmarkContext, workload: Workload, batch_size: int
+) -> list[list[int]]:
+    requests = _greedy_requests(ctx, workload)
+    sampler = Sampler()
+    for start in range(0, len(requests), batch_size):
+        generate_static_batch(ctx.model, requests[start : start + batch_size], sampler)
+    return [r.output_token_ids for r in requests]
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("hf", "transformers generate, 1 at a time", 1, _run_transformers_one_at_a_time),
+        Method("naive", "no-cache loop (ch01)", 1, _run_without_cache),
+        Method(
+            "kv-cache",
+            "KV-cache loop, 1 at a time (ch02)",
+            2,
+            lambda ctx, w: _run_static_batches(ctx, w, batch_size=1),
+        ),
+        Method(
+            "static",
+            "static batching (ch02)",
+            2,
+            lambda ctx, w: _run_static_batches(ctx, w, batch_size=ctx.batch_size),
+        ),
+    )
+}
+
+
+def run_benchmark(
+    ctx: BenchmarkContext, workload: Workload, method_names: list[str]
+) -> list[MethodResult]:
+    """Run each method on the workload, in order, and time it."""
+    unknown = [name for name in method_names if name not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown benchmark methods {unknown}; choose from {list(METHODS)}")
+    results, first_outputs = [], None
+    for name in method_names:
+        method = METHODS[name]
+        start = time.perf_counter()
+        outputs = method.run(ctx, workload)
+        seconds = time.perf_counter() - start
+        first_outputs = first_outputs or outputs
+        same = sum(a == b for a, b in zip(outputs, first_outputs)) / workload.num_requests
+        results.append(
+            MethodResult(
+                method=name,
+                label=method.label,
+                chapter=method.chapter,
+                seconds=seconds,
+                num_requests=workload.num_requests,
+                prompt_tokens=workload.num_prompt_tokens,
+                output_tokens=sum(len(o) for o in outputs),
+                same_tokens_as_first=same,
+            )
+        )
+    return results
+
+
+def format_table(results: list[MethodResult], baseline: str | None = None) -> str:
+    """A plain-text table: time, output tokens/s, speedup over the baseline method."""
+    base = next((r for r in results if r.method == baseline), results[0])
+    lines = [
+        f"{'method':<38} {'seconds':>8} {'out tok/s':>10} {'req/s':>7} {'speedup':>8} {'same tokens':>11}",
+    ]
+    for r in results:
+        speedup = r.output_tokens_per_s / base.output_tokens_per_s
+        lines.append(
+            f"{r.label:<38} {r.seconds:>8.2f} {r.output_tokens_per_s:>10.1f} "
+            f"{r.requests_per_s:>7.2f} {speedup:>7.1f}x {r.same_tokens_as_first:>10.0%}"
+        )
+    lines.append(f"(speedup relative to: {base.label})")
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, workload: Workload, results: list[MethodResult], **extra) -> None:
+    """Results with their workload and device, for plots and later comparison."""
+    record = {
+        "workload": {"name": workload.name, "description": workload.description},
+        "device": device_label(),
+        "results": [
+            asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results
+        ],
+        **extra,
+    }
+    Path(path).write_text(json.dumps(record, indent=2))
+
+
+def device_label() -> str:
+    """A short name of the device, for figure titles and tables."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    import os
+
+    return f"CPU ({os.cpu_count()} cores)"

@@ -1,0 +1,143 @@
+"""The command line: `minivllm generate | chat | bench | tour` (also `python -m minivllm`).
+
+Flags use vLLM's spelling (`--max-num-seqs`, `--dtype`, ...) so a vLLM user feels at home.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # minivllm never reads the network
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local HF directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=None)
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=128)
+
+
+def _make_llm(args):
+    from minivllm import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device=args.device,
+        seed=args.seed,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+    )
+
+
+def _sampling_params(args):
+    from minivllm import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
+    )
+
+
+def cmd_generate(args) -> None:
+    llm = _make_llm(args)
+    for output in llm.generate(args.prompt, _sampling_params(args), use_tqdm=False):
+        print(output.outputs[0].text)
+
+
+def cmd_chat(args) -> None:
+    """An interactive conversation; the whole history is sent every turn."""
+    llm = _make_llm(args)
+    params = _sampling_params(args)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    print("Chat with the model; an empty line or Ctrl-D quits.")
+    while True:
+        try:
+            user = input("you> ").strip()
+        except EOFError:
+            break
+        if not user:
+            break
+        messages.append({"role": "user", "content": user})
+        answer = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(f"model> {answer}")
+        messages.append({"role": "assistant", "content": answer})
+
+
+def cmd_bench(args) -> None:
+    import torch
+
+    from minivllm.benchmark import BenchmarkContext, format_table, run_benchmark, write_json
+    from minivllm.config import resolve_dtype
+    from minivllm.workloads import throughput_workload, varied_output_workload
+
+    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    ctx = BenchmarkContext.load(args.model, dtype, batch_size=args.batch_size)
+    make = {"throughput": throughput_workload, "varied-output": varied_output_workload}[args.workload]
+    workload = make(ctx.tokenizer, num_requests=args.num_requests)
+    if args.output_len is not None:
+        workload.output_lengths = [args.output_len] * workload.num_requests
+    print(f"workload: {workload.description}; device: {ctx.device}; dtype: {dtype}")
+    results = run_benchmark(ctx, workload, args.methods.split(","))
+    print(format_table(results, baseline=args.baseline))
+    if args.json:
+        write_json(args.json, workload, results, dtype=str(dtype))
+
+
+def cmd_tour(args) -> None:
+    from minivllm.tour import run_tour
+
+    run_tour(quick=args.quick)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minivllm", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="complete prompts")
+    generate.add_argument("prompt", nargs="+")
+    _add_engine_args(generate)
+    _add_sampling_args(generate)
+    generate.set_defaults(func=cmd_generate)
+
+    chat = commands.add_parser("chat", help="talk to the model")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    bench = commands.add_parser("bench", help="compare generation methods side by side")
+    bench.add_argument("--model", default=None)
+    bench.add_argument("--dtype", default="auto")
+    bench.add_argument("--workload", default="throughput", choices=["throughput", "varied-output"])
+    bench.add_argument("--num-requests", type=int, default=64)
+    bench.add_argument("--output-len", type=int, default=None, help="override every output length")
+    bench.add_argument("--methods", default="hf,kv-cache,static")
+    bench.add_argument("--baseline", default=None, help="method the speedups are relative to")
+    bench.add_argument("--batch-size", type=int, default=16, help="rows per static batch")
+    bench.add_argument("--json", default=None, help="also write the results here")
+    bench.set_defaults(func=cmd_bench)
+
+    tour = commands.add_parser("tour", help="a chat answer, then each chapter's speedup")
+    tour.add_argument("--quick", action="store_true", help="a smaller workload")
+    tour.set_defaults(func=cmd_tour)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, TypeError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)

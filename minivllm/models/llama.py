@@ -1,0 +1,219 @@
+"""Chapter 00 — the model: a Llama-family decoder written out in plain PyTorch.
+
+Every model minivllm runs (Llama, Mistral, Qwen2, Qwen3, SmolLM) is this one stack:
+
+    token ids -> embedding -> N x [RMSNorm -> attention -> +residual -> RMSNorm -> SwiGLU MLP
+    -> +residual] -> RMSNorm -> LM head -> logits
+
+Two choices make the rest of the book possible:
+
+1. The forward pass takes a *flat* batch: all tokens of all sequences side by side in one
+   1-D tensor, with a position per token. No padding, no [batch, seq] rectangle. A prompt of
+   300 tokens and a decode step of 1 token sit in the same batch as 301 rows.
+2. The model does not know how attention reads the past. Each attention layer computes its
+   q, k, v and hands them to an `AttentionBackend` passed in with the batch. Chapter 01's
+   backend recomputes everything, chapter 02's keeps a contiguous KV cache, chapter 03's a
+   paged one; the model code never changes.
+
+Parameter names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.weight`, ...) so
+that loading a checkpoint is a plain `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.config import ModelConfig
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from an attention implementation.
+
+    Called once per layer with the new tokens' projections, shapes
+    q: [num_tokens, num_heads, head_dim], k and v: [num_tokens, num_kv_heads, head_dim];
+    returns [num_tokens, num_heads, head_dim]. The backend decides where K/V are stored and
+    which earlier tokens each query sees (its own sequence's, causally).
+    """
+
+    def __call__(
+        self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor: ...
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, computed in float32 like the reference models."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (RoPE): rotate pairs of q/k features by position-dependent angles.
+
+    Feature i of the first half is paired with feature i of the second half and rotated by
+    angle position * inv_freq[i]. Because a rotation by a then by -b is a rotation by a-b, the
+    dot product q_m . k_n depends only on m - n: attention sees relative positions.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        inv_freq, self.attention_scaling = _rope_frequencies(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin of every angle, [num_tokens, head_dim], shared by all layers."""
+        angles = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        cos = angles.cos() * self.attention_scaling
+        sin = angles.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def _rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """inv_freq[i] = theta^(-2i/head_dim), or a scaled variant of it.
+
+    The plain formula is the lesson and is written out; the scaled variants (linear, llama3,
+    yarn: ways to stretch a model to longer contexts) reuse transformers' well-tested formulas.
+    """
+    # Frequencies are a few dozen numbers computed on the CPU, even when the model is being
+    # built on the "meta" device (shapes only) before its weights are loaded.
+    with torch.device("cpu"):
+        if config.rope_type == "default":
+            exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim
+            return 1.0 / (config.rope_theta**exponents), 1.0
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](config.hf_config, "cpu")
+        return inv_freq.float(), float(scaling)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [num_tokens, heads, head_dim] by the angles whose cos/sin are [num_tokens, head_dim]."""
+    first_half, second_half = x.chunk(2, dim=-1)
+    rotated_half = torch.cat((-second_half, first_half), dim=-1)
+    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """Grouped-query attention: num_heads query heads share num_kv_heads K/V heads."""
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attention(self.layer_index, q, k, v)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, hidden, cos, sin, attention: AttentionBackend) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, the decoder layers and the final norm: token ids -> hidden states."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids, positions, attention: AttentionBackend) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus the LM head that turns a hidden state into one logit per vocabulary entry."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # Tied models (SmolLM2, small Qwens) reuse the embedding matrix as the LM head.
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden_size] of a flat batch of tokens."""
+        return self.model(input_ids, positions, attention)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab] for the hidden states we sample from.
+
+        Kept apart from `forward` because only the last token of each sequence needs logits:
+        projecting every prompt token onto a 49k vocabulary would cost more than the rest of
+        a small model's forward.
+        """
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)

@@ -1,0 +1,65 @@
+"""What `LLM.generate` returns: vLLM's `RequestOutput` and `CompletionOutput`, field for field.
+
+Shared by every chapter's engine, so that code written against minivllm runs on vLLM by
+changing the import.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """One candidate token's log-probability, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.monotonic seconds) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence (a request with n > 1 has n of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's prompt and its completions, as `LLM.generate` returns them."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: None = field(default=None, repr=False)

@@ -1,0 +1,104 @@
+"""Turning what a user passes in into validated requests (vLLM calls this the Processor).
+
+All checks happen here, before anything reaches an engine: a bad prompt raises a clear
+`TypeError`/`ValueError` naming what was wrong, and no engine state has been touched, so the
+`LLM` (or the server) stays usable for the next call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from minivllm.sampling import SamplingParams
+from minivllm.tokenizer import encode_prompt
+
+PROMPT_FORMS = (
+    "a string, {'prompt': str} or {'prompt_token_ids': list[int]}"
+)
+
+
+@dataclass
+class ProcessedPrompt:
+    text: str | None  # None when the user gave token ids
+    token_ids: list[int]
+
+
+@dataclass
+class Processor:
+    tokenizer: object
+    vocab_size: int
+    max_model_len: int
+
+    def process_prompt(self, prompt) -> ProcessedPrompt:
+        """A string, a `{"prompt": ...}` or a `{"prompt_token_ids": [...]}` -> checked token ids."""
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self._encode(prompt)
+        elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+        elif isinstance(prompt, Mapping) and "prompt" in prompt:
+            if not isinstance(prompt["prompt"], str):
+                raise TypeError(f"prompt['prompt'] must be a string, got {type(prompt['prompt']).__name__}")
+            text, token_ids = prompt["prompt"], self._encode(prompt["prompt"])
+        else:
+            raise TypeError(f"a prompt must be {PROMPT_FORMS}; got {type(prompt).__name__}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt is {len(token_ids)} tokens long, but the model's context is "
+                f"{self.max_model_len} tokens (including at least one generated token)"
+            )
+        return ProcessedPrompt(text, token_ids)
+
+    def check_fits(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
+        """Prompt plus max_tokens must fit in the context."""
+        if params.max_tokens is not None:
+            total = len(prompt.token_ids) + params.max_tokens
+            if total > self.max_model_len:
+                raise ValueError(
+                    f"max_tokens={params.max_tokens} does not fit: the prompt has "
+                    f"{len(prompt.token_ids)} tokens and the context {self.max_model_len}, so "
+                    f"max_tokens can be at most {self.max_model_len - len(prompt.token_ids)}"
+                )
+
+    def _encode(self, text: str) -> list[int]:
+        if not text:
+            raise ValueError("the prompt is empty; give at least one character or token")
+        return encode_prompt(self.tokenizer, text)
+
+    def _check_token_ids(self, token_ids) -> list[int]:
+        if not isinstance(token_ids, (list, tuple)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+        ):
+            raise TypeError("prompt_token_ids must be a list of ints")
+        if not token_ids:
+            raise ValueError("prompt_token_ids is empty; give at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids contains ids outside the vocabulary [0, {self.vocab_size}): "
+                f"{bad[:5]}"
+            )
+        return list(token_ids)
+
+
+def broadcast_params(
+    params: SamplingParams | list[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One SamplingParams for all prompts, or one per prompt (vLLM's rule)."""
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    if isinstance(params, (list, tuple)):
+        if len(params) != num_prompts:
+            raise ValueError(
+                f"got {len(params)} SamplingParams for {num_prompts} prompts; pass one, or one "
+                "per prompt"
+            )
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
+        return list(params)
+    raise TypeError(
+        f"sampling_params must be SamplingParams or a list of them, got {type(params).__name__}"
+    )

@@ -1,0 +1,160 @@
+"""A request's state while it is being generated, shared by every chapter's engine.
+
+A `Request` is one sequence: its prompt ids, the tokens generated so far, its sampling
+parameters, its own random generator (when seeded) and its incremental detokenizer. The
+engine appends one token at a time and asks `check_stop` whether the sequence is done; the
+rules (EOS, stop token ids, stop strings, max_tokens, the model's context) are the same
+whichever engine produced the token, so they live here once.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics
+from minivllm.sampling import SamplingParams, SamplingRow, TokenLogprobs, make_generator
+from minivllm.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class Request:
+    """One sequence being generated."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    detokenizer: IncrementalDetokenizer
+    index: int = 0  # which of the parent request's n completions this is
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer,
+        eos_token_ids: tuple[int, ...],
+        max_model_len: int,
+        index: int = 0,
+    ) -> Request:
+        # A seeded request owns its generator so its samples do not depend on what else is in
+        # the batch; completion i of an n > 1 request uses seed + i to differ from its siblings.
+        generator = None if params.seed is None else make_generator(params.seed + index)
+        detokenizer = IncrementalDetokenizer(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
+        request = cls(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=prompt_token_ids,
+            params=params,
+            eos_token_ids=eos_token_ids,
+            max_model_len=max_model_len,
+            detokenizer=detokenizer,
+            index=index,
+            generator=generator,
+        )
+        request.metrics.num_prompt_tokens = len(prompt_token_ids)
+        if params.logprobs is not None:
+            request.logprobs, request.cumulative_logprob = [], 0.0
+        return request
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """The output budget: max_tokens, or whatever the context leaves when it is None."""
+        room = self.max_model_len - len(self.prompt_token_ids)
+        return room if self.params.max_tokens is None else min(self.params.max_tokens, room)
+
+    def sampling_row(self) -> SamplingRow:
+        return SamplingRow(
+            params=self.params,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            generator=self.generator,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+    def append_token(self, token_id: int, token_logprobs: TokenLogprobs | None = None) -> None:
+        """Record a sampled token, its logprobs, and whether it ends the sequence."""
+        now = time.monotonic()
+        if not self.output_token_ids:
+            self.metrics.first_token_time = now
+        self.output_token_ids.append(token_id)
+        self.metrics.num_generation_tokens += 1
+        if token_logprobs is not None:
+            self._record_logprobs(token_logprobs)
+        self._check_stop(token_id)
+        if self.is_finished:
+            self.metrics.finished_time = now
+
+    def _record_logprobs(self, token_logprobs: TokenLogprobs) -> None:
+        tokenizer = self.detokenizer.tokenizer
+        entries = {
+            token_id: Logprob(logprob, rank, tokenizer.decode([token_id]))
+            for rank, (token_id, logprob) in enumerate(token_logprobs.top, start=1)
+        }
+        sampled = token_logprobs.sampled_token_id
+        if sampled not in entries:
+            entries[sampled] = Logprob(
+                token_logprobs.sampled_logprob, token_logprobs.sampled_rank, tokenizer.decode([sampled])
+            )
+        self.logprobs.append(entries)
+        self.cumulative_logprob += token_logprobs.sampled_logprob
+
+    def _check_stop(self, token_id: int) -> None:
+        """The stop rules, in vLLM's order. Before min_tokens nothing stops a sequence (the
+        sampler has banned EOS and stop ids until then). A stop token ends it without being
+        detokenized, so the text never shows it; a stop string is found in the text."""
+        params = self.params
+        if len(self.output_token_ids) >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                self.finish_reason = "stop"
+                return
+            if token_id in params.stop_token_ids:
+                self.finish_reason, self.stop_reason = "stop", token_id
+                return
+        matched_stop_string = self.detokenizer.append_token(token_id)
+        if matched_stop_string is not None:
+            self.finish_reason, self.stop_reason = "stop", matched_stop_string
+        elif len(self.output_token_ids) >= self.max_tokens:
+            self.finish_reason = "length"
+
+    def completion_output(self) -> CompletionOutput:
+        """This sequence as vLLM's CompletionOutput. Like vLLM, the token ids include a final
+        EOS or stop token while the text does not."""
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.output_text,
+            token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )

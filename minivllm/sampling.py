@@ -1,0 +1,436 @@
+"""Sampling: turning a batch of logits into one next token per sequence.
+
+This is the shared sampling module used by every chapter. Whatever the engine looks like around it
+(a plain loop, continuous batching, paged attention, speculative decoding), the last step of a
+decode step is the same: the model hands back one row of logits per running sequence, and the
+`Sampler` picks one token for each row, each according to that request's own `SamplingParams`.
+
+The idea it holds is that sampling is a pipeline of small, separate transforms on the logits,
+applied to the whole batch at once with per-row parameters:
+
+    penalties -> min_tokens ban -> (logprobs are read here) -> temperature -> top-k -> top-p
+    -> min-p -> draw
+
+and that the final draw uses an explicit random generator per seeded request, so a seeded request
+produces the same tokens whichever other requests happen to share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+import torch.nn.functional as F
+
+# Temperatures below this are treated as greedy, as in vLLM: dividing by a tiny temperature
+# would overflow the logits, and the resulting distribution is argmax anyway.
+GREEDY_TEMPERATURE_THRESHOLD = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How one request wants its tokens chosen. Field names and defaults follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, normalised to 0) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: generate up to the model's context length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
+    ignore_eos: bool = False
+    logprobs: int | None = None  # how many top logprobs to return per generated token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: Any = None  # placeholder for the structured-output chapter
+
+    def __post_init__(self) -> None:
+        self._validate_integers()
+        self._validate_sampling_knobs()
+        self._validate_penalties()
+        self._validate_stops()
+        self._validate_flags()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_THRESHOLD
+
+    def _validate_integers(self) -> None:
+        self.n = _int_at_least("n", self.n, 1)
+        if self.max_tokens is not None:
+            self.max_tokens = _int_at_least("max_tokens", self.max_tokens, 1)
+        self.min_tokens = _int_at_least("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            _reject("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            self.logprobs = _int_at_least("logprobs", self.logprobs, 0)
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+
+    def _validate_sampling_knobs(self) -> None:
+        self.temperature = _float_in("temperature", self.temperature, low=0.0)
+        self.top_p = _float_in("top_p", self.top_p, low=0.0, high=1.0, low_inclusive=False)
+        self.min_p = _float_in("min_p", self.min_p, low=0.0, high=1.0)
+        top_k = _int("top_k", self.top_k)
+        if top_k < -1:
+            _reject("top_k", top_k, "-1 or >= 0 (-1 and 0 both disable top-k)")
+        self.top_k = max(top_k, 0)
+
+    def _validate_penalties(self) -> None:
+        self.presence_penalty = _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = _float_in(
+            "repetition_penalty", self.repetition_penalty, low=0.0, low_inclusive=False
+        )
+
+    def _validate_stops(self) -> None:
+        self.stop = _string_list("stop", self.stop)
+        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
+
+    def _validate_flags(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                _reject(name, getattr(self, name), "a bool")
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one row of the logits."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # tokens generated so far for this sequence
+    generator: torch.Generator | None  # the request's own generator when params.seed is set
+    # Banned (with params.stop_token_ids) while fewer than params.min_tokens tokens exist. The
+    # ban holds even with ignore_eos; an engine that wants eos left alone there passes ().
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities around one sampled token."""
+
+    sampled_token_id: int
+    sampled_logprob: float
+    sampled_rank: int  # 1 = most likely token
+    top: list[tuple[int, float]]  # the params.logprobs most likely (token_id, logprob), best first
+
+
+@dataclass
+class SamplerOutput:
+    """One sampler call's result, row for row with the logits."""
+
+    token_ids: list[int]  # one sampled token per row
+    logprobs: list[TokenLogprobs | None]  # per row, None when params.logprobs is None
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A fresh random generator for one seeded request; keep it for the request's lifetime."""
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+# --- logit transforms: each takes [rows, vocab] logits and per-row parameters of shape [rows] ---
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    repetition_penalty: torch.Tensor,
+    frequency_penalty: torch.Tensor,
+    presence_penalty: torch.Tensor,
+) -> torch.Tensor:
+    """vLLM's three penalties. Repetition looks at prompt and output; the other two at output only.
+
+    Repetition divides positive logits and multiplies negative ones, so either way a token that
+    was seen becomes less likely. Frequency grows with each repeat; presence is a flat charge.
+    """
+    vocab_size = logits.shape[-1]
+    prompt_counts = _token_counts(prompt_token_ids, vocab_size, logits.device)
+    output_counts = _token_counts(output_token_ids, vocab_size, logits.device)
+    repetition = repetition_penalty.to(logits.device, torch.float32).unsqueeze(1)
+    frequency = frequency_penalty.to(logits.device, torch.float32).unsqueeze(1)
+    presence = presence_penalty.to(logits.device, torch.float32).unsqueeze(1)
+
+    seen = (prompt_counts > 0) | (output_counts > 0)
+    discouraged = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, discouraged, logits)
+    return logits - frequency * output_counts - presence * (output_counts > 0).float()
+
+
+def ban_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
+    """Set the listed token ids of each row to -inf, so they can be neither argmax nor drawn."""
+    banned = torch.zeros_like(logits, dtype=torch.bool)
+    for row, token_ids in enumerate(banned_token_ids):
+        banned[row, token_ids] = True
+    return logits.masked_fill(banned, float("-inf"))
+
+
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Keep each row's k largest logits; k <= 0 or k >= vocab leaves the row alone.
+
+    Ties at the boundary are all kept (anything equal to the k-th largest value survives), as in
+    vLLM, so a row can keep more than k tokens when several share the k-th value.
+    """
+    vocab_size = logits.shape[-1]
+    k = k.to(logits.device, torch.long)
+    active = (k > 0) & (k < vocab_size)
+    if not active.any():
+        return logits
+    descending = logits.sort(dim=-1, descending=True).values
+    kth_largest = descending.gather(1, (k.clamp(1, vocab_size) - 1).unsqueeze(1))
+    drop = (logits < kth_largest) & active.unsqueeze(1)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability adds up to at least p.
+
+    The most likely token is always kept. Equal logits are ranked by token id (the sort is
+    stable), so exactly one prefix of that order survives. Rows with p >= 1 are left alone rather
+    than trusting a float cumulative sum to reach exactly 1.0.
+    """
+    p = p.to(logits.device, torch.float32)
+    active = p < 1.0
+    if not active.any():
+        return logits
+    sorted_logits, sorted_token_ids = logits.sort(dim=-1, descending=True, stable=True)
+    sorted_probs = sorted_logits.softmax(dim=-1)
+    # A token is needed only if the tokens ranked above it have not yet reached p.
+    mass_above = F.pad(sorted_probs.cumsum(dim=-1)[:, :-1], (1, 0))
+    drop_sorted = (mass_above >= p.unsqueeze(1)) & active.unsqueeze(1)
+    drop = torch.zeros_like(drop_sorted).scatter(1, sorted_token_ids, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below min_p times the row's largest probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.to(logits.device, torch.float32).unsqueeze(1) * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+class Sampler:
+    """Picks one token per row of a logits batch, each row following its own SamplingParams."""
+
+    def __init__(self, default_generator: torch.Generator | None = None):
+        # Used for rows without their own generator; None means torch's global RNG.
+        self.default_generator = default_generator
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [len(rows), vocab] = [{len(rows)}, vocab], "
+                f"got {list(logits.shape)}"
+            )
+        logits = logits.float()
+        if any(_has_penalties(row.params) for row in rows):
+            logits = self._penalise(logits, rows)
+        banned_token_ids = [_stop_ids_still_banned(row) for row in rows]
+        if any(banned_token_ids):
+            logits = ban_tokens(logits, banned_token_ids)
+
+        # Fast path: greedy rows need nothing but argmax, so an all-greedy batch skips
+        # temperature, truncation and the random draw altogether.
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random_rows:
+            token_ids[random_rows] = self._sample(
+                logits[random_rows], [rows[i] for i in random_rows]
+            )
+
+        # Logprobs describe the distribution after penalties and the min_tokens ban but before
+        # temperature and truncation: vLLM offers both "raw" and "processed" logprobs, and we
+        # report the model's own distribution (as penalised) rather than the sampling recipe's.
+        return SamplerOutput(
+            token_ids=token_ids.tolist(),
+            logprobs=_collect_logprobs(logits, token_ids, rows),
+        )
+
+    def _penalise(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        return apply_penalties(
+            logits,
+            [row.prompt_token_ids for row in rows],
+            [row.output_token_ids for row in rows],
+            _param_tensor(rows, "repetition_penalty", torch.float32, logits.device),
+            _param_tensor(rows, "frequency_penalty", torch.float32, logits.device),
+            _param_tensor(rows, "presence_penalty", torch.float32, logits.device),
+        )
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, then top-k, top-p and min-p, then one draw per row."""
+        device = logits.device
+        logits = logits / _param_tensor(rows, "temperature", torch.float32, device).unsqueeze(1)
+        logits = apply_top_k(logits, _param_tensor(rows, "top_k", torch.long, device))
+        logits = apply_top_p(logits, _param_tensor(rows, "top_p", torch.float32, device))
+        logits = apply_min_p(logits, _param_tensor(rows, "min_p", torch.float32, device))
+        probs = logits.softmax(dim=-1)
+        # Exponential race: with E_i ~ Exp(1), argmax(p_i / E_i) is token i with probability p_i.
+        # Unlike torch.multinomial on the batch, it lets each row take its noise from its own
+        # generator. The clamp keeps a (rare) zero draw from turning a dropped token's 0/0 into a
+        # NaN, which argmax would pick.
+        noise = self._exponential_noise(rows, logits.shape[-1], logits.device)
+        return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+    def _exponential_noise(
+        self, rows: list[SamplingRow], vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
+        """One Exp(1) draw per token per row.
+
+        A seeded row always takes exactly vocab_size draws from its own generator, so its token
+        stream depends only on its seed and its own history, never on its batch neighbours.
+        Unseeded rows share the default generator in a single batched draw.
+        """
+        noise = torch.empty(len(rows), vocab_size, device=device)
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i : i + 1] = _exponentials(1, vocab_size, row.generator).to(device)
+        unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+        if unseeded:
+            if self.default_generator is None:
+                draws = torch.empty(len(unseeded), vocab_size, device=device).exponential_()
+            else:
+                draws = _exponentials(len(unseeded), vocab_size, self.default_generator)
+            noise[unseeded] = draws.to(device)
+        return noise
+
+
+def _exponentials(num_rows: int, vocab_size: int, generator: torch.Generator) -> torch.Tensor:
+    # Drawn on the generator's own device, so a CPU generator gives the same stream whether the
+    # logits live on the CPU or a GPU.
+    draws = torch.empty(num_rows, vocab_size, device=generator.device)
+    return draws.exponential_(generator=generator)
+
+
+def _collect_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
+) -> list[TokenLogprobs | None]:
+    """TokenLogprobs for the rows whose params ask for logprobs, None for the others."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    logprobs = logits[wanted].log_softmax(dim=-1)
+    sampled = token_ids[wanted].unsqueeze(1)
+    sampled_logprobs = logprobs.gather(1, sampled)
+    # Rank 1 is the best token; equal logprobs share the better rank.
+    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
+    most_top = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[-1])
+    top_values, top_ids = logprobs.topk(most_top, dim=-1)
+
+    for j, i in enumerate(wanted):
+        count = rows[i].params.logprobs
+        result[i] = TokenLogprobs(
+            sampled_token_id=int(sampled[j]),
+            sampled_logprob=float(sampled_logprobs[j]),
+            sampled_rank=int(ranks[j]),
+            top=list(zip(top_ids[j, :count].tolist(), top_values[j, :count].tolist(), strict=True)),
+        )
+    return result
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return (
+        params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
+
+
+def _stop_ids_still_banned(row: SamplingRow) -> list[int]:
+    """The eos and stop ids a row may not produce yet, because it is still short of min_tokens."""
+    if len(row.output_token_ids) >= row.params.min_tokens:
+        return []
+    return [*row.eos_token_ids, *row.params.stop_token_ids]
+
+
+def _param_tensor(
+    rows: list[SamplingRow], name: str, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """One SamplingParams field gathered across the batch, as a [rows] tensor."""
+    return torch.tensor([getattr(row.params, name) for row in rows], dtype=dtype, device=device)
+
+
+def _token_counts(
+    token_ids_per_row: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """[rows, vocab] float tensor: how often each token id occurs in each row's list."""
+    counts = [
+        torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
+        for ids in token_ids_per_row
+    ]
+    return torch.stack(counts).to(device, torch.float32)
+
+
+# --- SamplingParams validation helpers: every failure names the field, the value and the rule ---
+
+
+def _reject(name: str, value: object, allowed: str) -> NoReturn:
+    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _int(name: str, value: object) -> int:
+    # bool is an int subclass in Python, but n=True is a bug, not a count.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _reject(name, value, "an int")
+    return int(value)
+
+
+def _int_at_least(name: str, value: object, minimum: int) -> int:
+    number = _int(name, value)
+    if number < minimum:
+        _reject(name, number, f">= {minimum}")
+    return number
+
+
+def _float_in(
+    name: str,
+    value: object,
+    low: float,
+    high: float = math.inf,
+    low_inclusive: bool = True,
+) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _reject(name, value, "a number")
+    number = float(value)
+    if not math.isfinite(number):
+        _reject(name, number, "a finite number")
+    too_low = number < low if low_inclusive else number <= low
+    if too_low or number > high:
+        lower = f">= {low:g}" if low_inclusive else f"> {low:g}"
+        _reject(name, number, lower if high == math.inf else f"{lower} and <= {high:g}")
+    return number
+
+
+def _string_list(name: str, value: object) -> list[str]:
+    if value is None:
+        return []
+    strings = [value] if isinstance(value, str) else value
+    if not isinstance(strings, list | tuple):
+        _reject(name, value, "None, a str or a list of str")
+    for item in strings:
+        if not isinstance(item, str) or not item:
+            _reject(name, value, "None, a str or a list of str, with no empty strings")
+    return list(strings)
+
+
+def _token_id_list(name: str, value: object) -> list[int]:
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        _reject(name, value, "None or a list of int token ids")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or item < 0:
+            _reject(name, value, "None or a list of int token ids, each >= 0")
+    return [int(item) for item in value]

@@ -1,0 +1,43 @@
+"""`minivllm tour`: the book in one command.
+
+It asks the embedded model a question through the offline API, then runs a small workload
+with every chapter's method built so far and prints each one's speedup over chapter 01's
+naive loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from minivllm.benchmark import BenchmarkContext, device_label, format_table, run_benchmark
+from minivllm.llm import LLM
+from minivllm.sampling import SamplingParams
+from minivllm.workloads import throughput_workload
+
+TOUR_QUESTION = "What is the capital of France? Answer in one sentence."
+# One method per chapter; transformers first, so "same tokens" compares against the oracle.
+TOUR_METHODS = ["hf", "naive", "kv-cache", "static"]
+
+
+def run_tour(quick: bool = False) -> None:
+    start = time.perf_counter()
+    llm = LLM(dtype="float32", device="cpu")
+    print(f"Loaded the embedded model in {time.perf_counter() - start:.1f} s.\n")
+    print(f"Q: {TOUR_QUESTION}")
+    answer = llm.chat(
+        [{"role": "user", "content": TOUR_QUESTION}],
+        SamplingParams(temperature=0.0, max_tokens=48),
+        use_tqdm=False,
+    )
+    print(f"A: {answer[0].outputs[0].text}\n")
+
+    ctx = BenchmarkContext(llm.model_path, llm.model, llm.tokenizer, torch.float32, batch_size=8)
+    num_requests, output_length = (4, 16) if quick else (8, 32)
+    workload = throughput_workload(
+        llm.tokenizer, num_requests=num_requests, prompt_lengths=(20, 120), output_length=output_length
+    )
+    print(f"Workload: {workload.description}; {device_label()}, float32, greedy.")
+    results = run_benchmark(ctx, workload, TOUR_METHODS)
+    print(format_table(results, baseline="naive"))

@@ -1,0 +1,137 @@
+"""Shared fixtures for the chapter checks: the embedded model (ours and transformers'), its
+tokenizer, tiny random models of every family, and chat prompts of very different lengths.
+
+Everything expensive is loaded once per test session. The reference for every numeric check is
+transformers (the oracle): the same checkpoint loaded with `AutoModelForCausalLM`, in float32.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Tests never touch the network: the embedded model is converted from a locally installed
+# package and tiny models are written to temporary directories.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from minivllm.model_loader import embedded_model_dir, load_model, load_tokenizer  # noqa: E402
+from minivllm.models.tiny import TINY_FAMILIES, make_tiny_model  # noqa: E402
+
+EOS_TOKEN_ID = 2  # <|im_end|> of SmolLM2-Instruct (and of the tiny models, which share its tokenizer)
+
+# User messages of very different lengths. The last two are long but ask for a short answer,
+# so a greedy reply ends at EOS after a few tokens while the short ones run to their limit.
+CHAT_MESSAGES = (
+    "Hi!",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Here is a paragraph about the planets. Mercury is the smallest planet and the closest to "
+    "the Sun. Venus is the hottest, because its thick atmosphere traps heat. Earth is the only "
+    "planet known to host life. Mars is red because of the iron oxide on its surface, and it has "
+    "the tallest volcano in the solar system. Jupiter is the largest planet, a gas giant with a "
+    "storm bigger than Earth. Which planet is the largest? Answer with one word.",
+)
+
+
+def chat_prompt_ids(tokenizer, message: str) -> list[int]:
+    """Token ids of `message` as a user turn of the chat template, ready for the reply."""
+    encoded = tokenizer.apply_chat_template(
+        [{"role": "user", "content": message}], add_generation_prompt=True
+    )
+    # transformers 5 returns a BatchEncoding; older versions a plain list of ids.
+    if not isinstance(encoded, list):
+        encoded = encoded["input_ids"]
+    return list(encoded)
+
+
+@pytest.fixture(scope="session")
+def embedded_dir():
+    """The embedded SmolLM2-135M-Instruct as a Hugging Face directory (converted once, cached)."""
+    return embedded_model_dir()
+
+
+@pytest.fixture(scope="session")
+def embedded_model(embedded_dir):
+    """Our model, float32 on the CPU."""
+    return load_model(embedded_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_embedded_model(embedded_dir):
+    """transformers' model of the same checkpoint, float32: the oracle."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(embedded_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(embedded_dir):
+    return load_tokenizer(embedded_dir)
+
+
+@pytest.fixture(scope="session")
+def chat_prompts(tokenizer) -> list[list[int]]:
+    """Chat prompts as token ids, from a few dozen tokens to over a hundred."""
+    return [chat_prompt_ids(tokenizer, message) for message in CHAT_MESSAGES]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, embedded_dir) -> dict:
+    """family -> directory of a random two-layer model of that family (embedded tokenizer)."""
+    return {
+        family: make_tiny_model(
+            family, tmp_path_factory.mktemp(family), seed=0, tokenizer_dir=embedded_dir
+        )
+        for family in TINY_FAMILIES
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_model_dirs):
+    """family -> (our model, transformers' model), loaded on first use and kept."""
+    from transformers import AutoModelForCausalLM
+
+    loaded: dict = {}
+
+    def get(family: str):
+        if family not in loaded:
+            path = tiny_model_dirs[family]
+            hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+            loaded[family] = (load_model(path), hf_model)
+        return loaded[family]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def transformers_greedy(hf_embedded_model):
+    """Greedy tokens of `model.generate` on the embedded model, one prompt alone (memoized:
+    several chapters compare against the same runs)."""
+    results: dict = {}
+
+    def run(prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None = EOS_TOKEN_ID):
+        key = (tuple(prompt_ids), max_new_tokens, eos_token_id)
+        if key not in results:
+            results[key] = hf_generate(hf_embedded_model, prompt_ids, max_new_tokens, eos_token_id)
+        return list(results[key])
+
+    return run
+
+
+@torch.inference_mode()
+def hf_generate(hf_model, prompt_ids, max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """transformers' greedy `generate` for one prompt; the new tokens (EOS included if reached)."""
+    input_ids = torch.tensor([prompt_ids])
+    output = hf_model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        do_sample=False,
+        eos_token_id=eos_token_id,
+        pad_token_id=EOS_TOKEN_ID,
+    )
+    return output[0, len(prompt_ids) :].tolist()

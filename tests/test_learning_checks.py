@@ -1,0 +1,73 @@
+"""The learning checks themselves are checked: each passes on minivllm's implementation and
+fails, with a counterexample, on a typical learner's mistake."""
+
+import pytest
+import torch
+
+from minivllm.learning_checks import all_checks, assert_check, run_check
+
+
+def _layer_norm_instead_of_rms_norm(x, weight, eps):
+    """Subtracts the mean: LayerNorm, not RMSNorm."""
+    centered = x - x.mean(-1, keepdim=True)
+    return centered / torch.sqrt(centered.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rope_on_interleaved_pairs(x, positions, theta):
+    """Rotates features (0,1), (2,3), ... (GPT-J style) where Llama pairs i with i + d/2."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    angles = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+def _generate_ignoring_eos(model, prompt_token_ids, max_new_tokens, eos_token_id):
+    """Forgets to stop at EOS."""
+    from minivllm.naive import generate_without_cache
+
+    return generate_without_cache(model, prompt_token_ids, max_new_tokens, eos_token_id=None)
+
+
+def _kv_bytes_keys_only(num_layers, num_kv_heads, head_dim, dtype):
+    """Counts the keys but not the values."""
+    return num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _decode_attention_without_mask(q, keys, values, seq_lens):
+    """Attends over every slot, including the empty ones past the row's length."""
+    group = q.shape[1] // keys.shape[2]
+    k = keys.repeat_interleave(group, dim=2).transpose(1, 2)  # [batch, heads, slots, dim]
+    v = values.repeat_interleave(group, dim=2).transpose(1, 2)
+    weights = torch.softmax((k @ q[..., None])[..., 0] / q.shape[-1] ** 0.5, dim=-1)
+    return (weights[:, :, None, :] @ v)[:, :, 0, :]
+
+
+BROKEN = {
+    "ch00.rms_norm": _layer_norm_instead_of_rms_norm,
+    "ch00.rope": _rope_on_interleaved_pairs,
+    "ch01.generate_without_cache": _generate_ignoring_eos,
+    "ch02.kv_bytes_per_token": _kv_bytes_keys_only,
+    "ch02.decode_attention": _decode_attention_without_mask,
+}
+
+
+def test_every_check_has_a_broken_example():
+    """Each registered check is exercised below with a wrong implementation."""
+    assert set(all_checks()) == set(BROKEN)
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_check_passes_on_minivllm(name):
+    """minivllm's own implementation passes its chapter's check."""
+    assert_check(name, all_checks()[name].reference())
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_check_fails_on_a_typical_mistake(name):
+    """A typical mistake fails, and the report shows a minimal failing input."""
+    result = run_check(name, BROKEN[name])
+    assert not result.passed
+    assert "Falsifying example" in result.report or "Failing test case" in result.report
+    assert "FAIL" in str(result)

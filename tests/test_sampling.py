@@ -1,0 +1,656 @@
+"""Properties of the shared sampler (minivllm/sampling.py).
+
+Every expectation here is worked out from the definition with plain Python (sorted lists, math.exp,
+list.count) in float64, never by calling the code under test a second time. Float32 code and a
+float64 reference can disagree about a token sitting exactly on a threshold, so the top-p, min-p
+and support checks allow a small tolerance at the boundary and are exact everywhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.sampling import (
+    Sampler,
+    SamplingParams,
+    SamplingRow,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k,
+    apply_top_p,
+    make_generator,
+)
+
+settings.register_profile("sampling", max_examples=40, deadline=None)
+settings.load_profile("sampling")
+
+BOUNDARY_TOLERANCE = 1e-5
+
+# Arbitrary float32 logits, mixed with a few round values so that ties turn up often.
+any_logit = st.one_of(
+    st.floats(-8, 8, width=32, allow_nan=False),
+    st.sampled_from([-1.0, 0.0, 1.0, 2.0]),
+)
+# Logits on a 0.25 grid: exact in float32 and far enough apart that log_softmax cannot merge
+# two different logits into one value, which keeps rank comparisons exact.
+grid_logit = st.integers(-32, 32).map(lambda quarter: quarter / 4)
+
+
+@st.composite
+def logit_batches(draw, values=any_logit, max_rows: int = 4, max_vocab: int = 12):
+    """A [rows, vocab] batch of logits as nested Python lists."""
+    num_rows = draw(st.integers(1, max_rows))
+    vocab_size = draw(st.integers(1, max_vocab))
+    row = st.lists(values, min_size=vocab_size, max_size=vocab_size)
+    return draw(st.lists(row, min_size=num_rows, max_size=num_rows))
+
+
+def per_row(data, batch, strategy) -> list:
+    return data.draw(st.lists(strategy, min_size=len(batch), max_size=len(batch)))
+
+
+def kept_token_ids(row: torch.Tensor) -> set[int]:
+    return {i for i, value in enumerate(row.tolist()) if value != -math.inf}
+
+
+def softmax(logits: list[float]) -> list[float]:
+    largest = max(logits)
+    weights = [math.exp(x - largest) for x in logits]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def log_softmax(logits: list[float]) -> list[float]:
+    largest = max(logits)
+    log_total = largest + math.log(sum(math.exp(x - largest) for x in logits))
+    return [x - log_total for x in logits]
+
+
+def likelihood_order(logits: list[float]) -> list[int]:
+    """Token ids from most to least likely; equal logits go by token id."""
+    return sorted(range(len(logits)), key=lambda i: (-logits[i], i))
+
+
+def first_argmax(logits: list[float]) -> int:
+    return max(range(len(logits)), key=lambda i: (logits[i], -i))
+
+
+def sampling_row(params: SamplingParams, output=(), prompt=(), generator=None, eos=()):
+    return SamplingRow(
+        params=params,
+        prompt_token_ids=list(prompt),
+        output_token_ids=list(output),
+        generator=generator,
+        eos_token_ids=tuple(eos),
+    )
+
+
+# --- top-k, top-p, min-p on their own ---
+
+
+@given(batch=logit_batches(), data=st.data())
+def test_top_k_keeps_exactly_the_tokens_with_fewer_than_k_strictly_larger_logits(batch, data):
+    """Top-k keeps the k largest logits; a tie at the k-th value keeps every tied token.
+
+    So a token survives exactly when fewer than k tokens beat it outright. k = 0 (off) or k at
+    least the vocabulary size keeps everything. Survivors keep their logit unchanged.
+    """
+    vocab_size = len(batch[0])
+    ks = per_row(data, batch, st.integers(0, vocab_size + 2))
+    logits = torch.tensor(batch)
+
+    filtered = apply_top_k(logits, torch.tensor(ks))
+
+    for row_logits, k, filtered_row in zip(batch, ks, filtered, strict=True):
+        if k == 0 or k >= vocab_size:
+            expected = set(range(vocab_size))
+        else:
+            expected = {i for i, x in enumerate(row_logits) if sum(y > x for y in row_logits) < k}
+        assert kept_token_ids(filtered_row) == expected
+        for i in expected:
+            assert filtered_row[i].item() == torch.tensor(row_logits[i]).item()
+
+
+@given(batch=logit_batches(), data=st.data())
+def test_top_p_keeps_the_smallest_likely_prefix_reaching_p(batch, data):
+    """Top-p keeps a prefix of the tokens sorted by likelihood (ties by token id).
+
+    The prefix's probability reaches p, and it would fall short of p without its last token.
+    It never keeps fewer than one token, and p = 1 keeps everything.
+    """
+    ps = per_row(data, batch, st.floats(0.0, 1.0, exclude_min=True))
+    filtered = apply_top_p(torch.tensor(batch), torch.tensor(ps))
+
+    for row_logits, p, filtered_row in zip(batch, ps, filtered, strict=True):
+        kept = kept_token_ids(filtered_row)
+        if p == 1.0:
+            assert kept == set(range(len(row_logits)))
+            continue
+        order = likelihood_order(row_logits)
+        probs = softmax(row_logits)
+        prefix = order[: len(kept)]
+        assert kept == set(prefix), "top-p must keep the most likely tokens first"
+        assert sum(probs[i] for i in prefix) >= p - BOUNDARY_TOLERANCE
+        if len(prefix) > 1:
+            assert sum(probs[i] for i in prefix[:-1]) < p + BOUNDARY_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("logits", "p", "expected"),
+    [
+        ([0.0, 0.0], 0.5, {0}),  # token 0 alone reaches 0.5 exactly, so token 1 is not needed
+        ([0.0, 0.0, 0.0, 0.0], 0.5, {0, 1}),
+        ([0.0, 0.0, 0.0, 0.0], 0.51, {0, 1, 2}),
+        ([5.0, 0.0, 0.0], 0.01, {0}),  # the most likely token always stays
+    ],
+)
+def test_top_p_on_exact_boundaries(logits, p, expected):
+    """Equal logits give exactly representable probabilities, so p can sit right on the edge."""
+    filtered = apply_top_p(torch.tensor([logits]), torch.tensor([p]))
+    assert kept_token_ids(filtered[0]) == expected
+
+
+@given(batch=logit_batches(), data=st.data())
+def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability(batch, data):
+    """Min-p keeps token i exactly when p_i >= min_p * max_j p_j (the top token always stays)."""
+    min_ps = per_row(data, batch, st.floats(0.0, 1.0))
+    filtered = apply_min_p(torch.tensor(batch), torch.tensor(min_ps))
+
+    for row_logits, min_p, filtered_row in zip(batch, min_ps, filtered, strict=True):
+        kept = kept_token_ids(filtered_row)
+        probs = softmax(row_logits)
+        threshold = min_p * max(probs)
+        assert first_argmax(row_logits) in kept
+        for i, prob in enumerate(probs):
+            if prob >= threshold * (1 + BOUNDARY_TOLERANCE):
+                assert i in kept
+            elif prob < threshold * (1 - BOUNDARY_TOLERANCE):
+                assert i not in kept
+
+
+# --- the full sampler ---
+
+
+def reference_support(logits: list[float], params: SamplingParams) -> set[int]:
+    """Tokens the sampler may draw, from the definitions; borderline tokens count as allowed.
+
+    Temperature scales the logits; top-k, then top-p, then min-p each remove tokens, the later
+    filters seeing the distribution renormalised over what the earlier ones kept.
+    """
+    scaled = [x / params.temperature for x in logits]
+
+    def clearly_above(j: int, i: int) -> bool:
+        return scaled[j] - scaled[i] > 1e-4
+
+    alive = set(range(len(logits)))
+    if 0 < params.top_k < len(logits):
+        alive = {i for i in alive if sum(clearly_above(j, i) for j in alive) < params.top_k}
+    if params.top_p < 1.0:
+        probs = dict(zip(alive, softmax([scaled[i] for i in alive]), strict=True))
+        alive = {
+            i
+            for i in alive
+            if sum(probs[j] for j in alive if clearly_above(j, i)) < params.top_p + 1e-4
+        }
+    top = max(scaled[i] for i in alive)
+    return {i for i in alive if math.exp(scaled[i] - top) >= params.min_p - 1e-4}
+
+
+@given(
+    logits=st.lists(any_logit, min_size=2, max_size=10),
+    temperature=st.floats(0.1, 2.0),
+    top_k=st.integers(0, 10),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.5),
+)
+def test_sampled_tokens_always_lie_in_the_kept_support(logits, temperature, top_k, top_p, min_p):
+    """Whatever the knobs, 200 draws never produce a token that top-k/top-p/min-p removed."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    draws = 200
+    batch = torch.tensor([logits] * draws)
+
+    tokens = Sampler(make_generator(0))(batch, [sampling_row(params)] * draws).token_ids
+
+    assert set(tokens) <= reference_support(logits, params)
+
+
+# Probabilities 0.4, 0.25, 0.15, 0.1, 0.06, 0.04: no filter below lands on a boundary.
+HAND_PROBS = [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]
+
+
+@pytest.mark.parametrize(
+    ("knobs", "expected_support"),
+    [
+        ({}, {0, 1, 2, 3, 4, 5}),
+        ({"top_k": 2}, {0, 1}),
+        ({"top_p": 0.7}, {0, 1, 2}),  # 0.4 + 0.25 = 0.65 < 0.7, so token 2 is needed
+        ({"top_p": 0.6}, {0, 1}),
+        ({"min_p": 0.3}, {0, 1, 2}),  # threshold 0.12
+        ({"top_k": 4, "top_p": 0.8}, {0, 1, 2}),  # renormalised over 0.9: 0.44, 0.28, 0.17
+        ({"top_k": 4, "min_p": 0.5}, {0, 1}),  # threshold 0.2
+    ],
+)
+def test_sampled_tokens_cover_exactly_the_hand_computed_support(knobs, expected_support):
+    """On a hand-worked example every kept token shows up in 3000 draws and nothing else does."""
+    params = SamplingParams(**knobs)
+    draws = 3000
+    batch = torch.tensor([[math.log(p) for p in HAND_PROBS]] * draws)
+
+    tokens = Sampler(make_generator(1))(batch, [sampling_row(params)] * draws).token_ids
+
+    assert set(tokens) == expected_support
+
+
+def chi_square(observed: list[int], expected_probs: list[float]) -> float:
+    total = sum(observed)
+    return sum(
+        (count - total * prob) ** 2 / (total * prob)
+        for count, prob in zip(observed, expected_probs, strict=True)
+    )
+
+
+def counts(tokens: list[int], vocab_size: int) -> list[int]:
+    return [tokens.count(i) for i in range(vocab_size)]
+
+
+STATS_LOGITS = [2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.3]
+# Chi-square with 7 degrees of freedom exceeds 40 with probability about 1e-6.
+CHI_SQUARE_BOUND_7_DOF = 40.0
+
+
+def test_temperature_one_draws_follow_the_softmax():
+    """20000 batched draws at temperature 1 match softmax(logits) within a loose chi-square."""
+    draws = 20_000
+    params = SamplingParams(temperature=1.0)
+    batch = torch.tensor([STATS_LOGITS] * draws)
+
+    tokens = Sampler(make_generator(2))(batch, [sampling_row(params)] * draws).token_ids
+
+    observed = counts(tokens, len(STATS_LOGITS))
+    assert chi_square(observed, softmax(STATS_LOGITS)) < CHI_SQUARE_BOUND_7_DOF
+
+
+def test_seeded_draws_step_by_step_follow_the_softmax():
+    """A seeded request drawing one token per step also follows the softmax over 3000 steps."""
+    steps = 3000
+    params = SamplingParams(temperature=1.0, seed=3)
+    generator = make_generator(3)
+    sampler = Sampler()
+    logits = torch.tensor([STATS_LOGITS])
+
+    tokens = [
+        sampler(logits, [sampling_row(params, generator=generator)]).token_ids[0]
+        for _ in range(steps)
+    ]
+
+    observed = counts(tokens, len(STATS_LOGITS))
+    assert chi_square(observed, softmax(STATS_LOGITS)) < CHI_SQUARE_BOUND_7_DOF
+
+
+def test_temperature_and_top_k_draws_follow_the_renormalised_softmax():
+    """At temperature 0.5 with top_k=4, draws follow softmax(2 * logits) over the 4 best tokens."""
+    draws = 20_000
+    params = SamplingParams(temperature=0.5, top_k=4)
+    batch = torch.tensor([STATS_LOGITS] * draws)
+
+    tokens = Sampler(make_generator(4))(batch, [sampling_row(params)] * draws).token_ids
+
+    best_four = likelihood_order(STATS_LOGITS)[:4]
+    expected = softmax([STATS_LOGITS[i] / 0.5 for i in best_four])
+    assert set(tokens) == set(best_four)
+    # Chi-square with 3 degrees of freedom exceeds 30 with probability about 1e-6.
+    assert chi_square([tokens.count(i) for i in best_four], expected) < 30.0
+
+
+# --- seeded requests are reproducible whatever their batch ---
+
+VOCAB = 50
+STEPS = 12
+
+
+def model_logits(seed: int) -> torch.Tensor:
+    """A stand-in model: a fixed [STEPS, VOCAB] table of logits for one request."""
+    return 3 * torch.randn(STEPS, VOCAB, generator=make_generator(seed))
+
+
+def generate(requests: list[tuple[SamplingParams, torch.Tensor]], default_seed: int):
+    """Decode every request together for STEPS steps; return each request's tokens."""
+    generators = [None if p.seed is None else make_generator(p.seed) for p, _ in requests]
+    outputs: list[list[int]] = [[] for _ in requests]
+    sampler = Sampler(make_generator(default_seed))
+    for step in range(STEPS):
+        logits = torch.stack([table[step] for _, table in requests])
+        rows = [
+            sampling_row(params, output=output, prompt=[1, 2, 3], generator=generator)
+            for (params, _), output, generator in zip(requests, outputs, generators, strict=True)
+        ]
+        for output, token in zip(outputs, sampler(logits, rows).token_ids, strict=True):
+            output.append(token)
+    return outputs
+
+
+SEEDED = SamplingParams(temperature=1.0, top_p=0.95, repetition_penalty=1.1, seed=1234)
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch():
+    """The seeded request's tokens depend on its seed alone, not on its neighbours or row index.
+
+    Its neighbours include another seeded request, unseeded ones (which use the sampler's default
+    generator) and a greedy one, and the default generator's seed changes between runs.
+    """
+    request = (SEEDED, model_logits(0))
+    neighbours = [
+        (SamplingParams(temperature=0.8), model_logits(1)),
+        (SamplingParams(temperature=1.2, top_k=5, seed=7), model_logits(2)),
+        (SamplingParams(temperature=0.0), model_logits(3)),
+        (SamplingParams(temperature=1.0, min_p=0.1), model_logits(4)),
+    ]
+
+    alone = generate([request], default_seed=0)[0]
+    in_the_middle = generate([*neighbours[:2], request, *neighbours[2:]], default_seed=99)[2]
+    at_the_end = generate([*neighbours, request], default_seed=5)[4]
+
+    assert alone == in_the_middle == at_the_end
+
+
+def test_the_seed_decides_the_tokens():
+    """A sanity check for the test above: a different seed does give a different sequence."""
+    logits = model_logits(0)
+    reseeded = dataclasses.replace(SEEDED, seed=4321)
+
+    assert generate([(SEEDED, logits)], 0) != generate([(reseeded, logits)], 0)
+
+
+# --- penalties ---
+
+
+def reference_penalised(logits, prompt, output, repetition, frequency, presence) -> list[float]:
+    """vLLM's penalty definitions, token by token."""
+    result = []
+    for token, x in enumerate(logits):
+        if token in prompt or token in output:
+            x = x / repetition if x > 0 else x * repetition
+        x -= frequency * output.count(token)
+        x -= presence * (token in output)
+        result.append(x)
+    return result
+
+
+def test_penalties_on_a_hand_worked_example():
+    """Prompt [0, 1], output [3, 3, 4], repetition 2, frequency 0.5, presence 0.25.
+
+    token 0: seen in prompt, positive: 2 / 2 = 1.
+    token 1: seen in prompt, negative: -1 * 2 = -2.
+    token 2: never seen: 0.5.
+    token 3: 3 / 2 - 0.5 * 2 - 0.25 = 0.25.
+    token 4: -2 * 2 - 0.5 * 1 - 0.25 = -4.75.
+    """
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
+
+    penalised = apply_penalties(
+        logits,
+        [[0, 1]],
+        [[3, 3, 4]],
+        torch.tensor([2.0]),
+        torch.tensor([0.5]),
+        torch.tensor([0.25]),
+    )
+
+    assert penalised.tolist() == [[1.0, -2.0, 0.5, 0.25, -4.75]]
+
+
+@given(batch=logit_batches(max_vocab=8), data=st.data())
+def test_penalties_match_their_definitions(batch, data):
+    """Random logits, histories and penalties agree with the token-by-token definition."""
+    vocab_size = len(batch[0])
+    history = st.lists(st.integers(0, vocab_size - 1), max_size=10)
+    prompts = per_row(data, batch, history)
+    outputs = per_row(data, batch, history)
+    repetition = per_row(data, batch, st.floats(0.1, 3.0))
+    frequency = per_row(data, batch, st.floats(-2.0, 2.0))
+    presence = per_row(data, batch, st.floats(-2.0, 2.0))
+
+    penalised = apply_penalties(
+        torch.tensor(batch),
+        prompts,
+        outputs,
+        torch.tensor(repetition),
+        torch.tensor(frequency),
+        torch.tensor(presence),
+    )
+
+    for row in range(len(batch)):
+        expected = reference_penalised(
+            batch[row], prompts[row], outputs[row], repetition[row], frequency[row], presence[row]
+        )
+        assert penalised[row].tolist() == pytest.approx(expected, abs=1e-4)
+
+
+def test_the_sampler_applies_penalties_before_choosing():
+    """A repetition penalty turns greedy away from a token it has already produced."""
+    logits = torch.tensor([[2.0, 1.5, 0.0], [2.0, 1.5, 0.0]])
+    plain = SamplingParams(temperature=0.0)
+    penalised = SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=1)
+
+    result = Sampler()(
+        logits, [sampling_row(plain, output=[0]), sampling_row(penalised, output=[0])]
+    )
+
+    assert result.token_ids == [0, 1]  # the penalised row sees [1.0, 1.5, 0.0]
+    assert result.logprobs[1].sampled_logprob == pytest.approx(log_softmax([1.0, 1.5, 0.0])[1])
+
+
+# --- min_tokens ---
+
+EOS, STOP_ID = 0, 1
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_min_tokens_bans_eos_and_stop_ids_until_reached_and_not_after(ignore_eos):
+    """Until min_tokens tokens exist, eos and stop ids cannot be chosen; from then on they can.
+
+    Eos and the stop id have the two largest logits, so greedy picks them the moment it may.
+    A neighbour row without min_tokens is unaffected. The ban holds under ignore_eos as well.
+    """
+    logits = torch.tensor([[10.0, 9.0, 1.0, 2.0, 0.5]] * 2)
+    waiting = SamplingParams(
+        temperature=0.0, min_tokens=3, stop_token_ids=[STOP_ID], ignore_eos=ignore_eos
+    )
+    free = SamplingParams(temperature=0.0)
+    sampler = Sampler()
+
+    for generated in range(5):
+        output = [3] * generated
+        rows = [
+            sampling_row(waiting, output=output, eos=[EOS]),
+            sampling_row(free, output=output, eos=[EOS]),
+        ]
+        waiting_token, free_token = sampler(logits, rows).token_ids
+        assert waiting_token == (3 if generated < 3 else EOS)
+        assert free_token == EOS
+
+
+def test_min_tokens_also_bans_stop_ids_for_random_sampling():
+    """With eos and the stop id nearly certain, 2000 random draws still avoid them all."""
+    draws = 2000
+    logits = torch.tensor([[10.0, 10.0, 1.0, 2.0, 0.5]] * draws)
+    params = SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=[STOP_ID])
+    rows = [sampling_row(params, eos=[EOS])] * draws
+
+    tokens = Sampler(make_generator(5))(logits, rows).token_ids
+
+    assert set(tokens) == {2, 3, 4}
+
+
+# --- greedy and logprobs ---
+
+
+@given(batch=logit_batches(), data=st.data())
+def test_greedy_rows_take_the_argmax_even_beside_random_rows(batch, data):
+    """Temperature 0 (or below vLLM's 1e-5 threshold) is argmax, first index on ties."""
+    temperatures = per_row(data, batch, st.sampled_from([0.0, 1e-6, 1.0]))
+    rows = [sampling_row(SamplingParams(temperature=t)) for t in temperatures]
+
+    tokens = Sampler(make_generator(6))(torch.tensor(batch), rows).token_ids
+
+    for row_logits, temperature, token in zip(batch, temperatures, tokens, strict=True):
+        if temperature < 1e-5:
+            assert token == first_argmax(row_logits)
+
+
+@given(batch=logit_batches(values=grid_logit), data=st.data())
+def test_logprobs_report_the_log_softmax_around_the_sampled_token(batch, data):
+    """Logprobs are log_softmax of the logits (before temperature), for greedy and random rows.
+
+    The top list has the requested length, is sorted best first and holds the most likely
+    tokens; the sampled token's rank is 1 plus the number of tokens strictly more likely.
+    """
+    vocab_size = len(batch[0])
+    counts_wanted = per_row(data, batch, st.one_of(st.none(), st.integers(0, vocab_size)))
+    temperatures = per_row(data, batch, st.sampled_from([0.0, 0.7]))
+    rows = [
+        sampling_row(SamplingParams(temperature=t, logprobs=k))
+        for t, k in zip(temperatures, counts_wanted, strict=True)
+    ]
+
+    result = Sampler(make_generator(7))(torch.tensor(batch), rows)
+
+    for row_logits, wanted, token, logprobs in zip(
+        batch, counts_wanted, result.token_ids, result.logprobs, strict=True
+    ):
+        if wanted is None:
+            assert logprobs is None
+            continue
+        reference = log_softmax(row_logits)
+        assert logprobs.sampled_token_id == token
+        assert logprobs.sampled_logprob == pytest.approx(reference[token], abs=1e-5)
+        assert logprobs.sampled_rank == 1 + sum(x > row_logits[token] for x in row_logits)
+
+        top_ids = [token_id for token_id, _ in logprobs.top]
+        top_values = [value for _, value in logprobs.top]
+        assert len(logprobs.top) == wanted
+        assert len(set(top_ids)) == wanted
+        assert top_values == sorted(top_values, reverse=True)
+        for token_id, value in logprobs.top:
+            assert value == pytest.approx(reference[token_id], abs=1e-5)
+        if wanted:
+            left_out = [row_logits[i] for i in range(vocab_size) if i not in top_ids]
+            assert all(x <= min(row_logits[i] for i in top_ids) for x in left_out)
+
+
+def test_asking_for_more_logprobs_than_the_vocabulary_returns_the_whole_vocabulary():
+    """The top list is capped at the vocabulary size."""
+    params = SamplingParams(temperature=0.0, logprobs=10)
+
+    result = Sampler()(torch.tensor([[0.0, 1.0, 2.0]]), [sampling_row(params)])
+
+    assert [token_id for token_id, _ in result.logprobs[0].top] == [2, 1, 0]
+
+
+def test_the_sampler_leaves_its_input_alone_and_accepts_low_precision_logits():
+    """Logits are read, never written, and bfloat16 logits are sampled in float32."""
+    logits = torch.tensor([[1.0, 3.0, 2.0]], dtype=torch.bfloat16)
+    before = logits.clone()
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.5, min_tokens=1, logprobs=1)
+
+    result = Sampler()(logits, [sampling_row(params, output=[], prompt=[1], eos=[2])])
+
+    assert torch.equal(logits, before)
+    assert result.token_ids == [1]  # token 1: 3 / 1.5 = 2, token 2 banned, token 0: 1
+
+
+# --- SamplingParams validation ---
+
+INVALID_PARAMS = [
+    ("n", {"n": 0}),
+    ("n", {"n": 1.5}),
+    ("n", {"n": True}),
+    ("temperature", {"temperature": -1.0}),
+    ("temperature", {"temperature": "hot"}),
+    ("temperature", {"temperature": math.nan}),
+    ("temperature", {"temperature": math.inf}),
+    ("top_p", {"top_p": 0.0}),
+    ("top_p", {"top_p": 1.5}),
+    ("top_k", {"top_k": -2}),
+    ("top_k", {"top_k": 1.5}),
+    ("min_p", {"min_p": -0.1}),
+    ("min_p", {"min_p": 1.1}),
+    ("seed", {"seed": 1.0}),
+    ("seed", {"seed": "42"}),
+    ("max_tokens", {"max_tokens": 0}),
+    ("max_tokens", {"max_tokens": True}),
+    ("min_tokens", {"min_tokens": -1}),
+    ("min_tokens", {"min_tokens": 5, "max_tokens": 4}),
+    ("stop", {"stop": 3}),
+    ("stop", {"stop": ""}),
+    ("stop", {"stop": ["fine", ""]}),
+    ("stop", {"stop": ["fine", 3]}),
+    ("stop_token_ids", {"stop_token_ids": ["a"]}),
+    ("stop_token_ids", {"stop_token_ids": 5}),
+    ("stop_token_ids", {"stop_token_ids": [-1]}),
+    ("ignore_eos", {"ignore_eos": "yes"}),
+    ("logprobs", {"logprobs": -1}),
+    ("logprobs", {"logprobs": 2.0}),
+    ("presence_penalty", {"presence_penalty": 2.5}),
+    ("presence_penalty", {"presence_penalty": -2.1}),
+    ("frequency_penalty", {"frequency_penalty": -3.0}),
+    ("frequency_penalty", {"frequency_penalty": 2.01}),
+    ("repetition_penalty", {"repetition_penalty": 0.0}),
+    ("repetition_penalty", {"repetition_penalty": -1.0}),
+    ("skip_special_tokens", {"skip_special_tokens": None}),
+    ("include_stop_str_in_output", {"include_stop_str_in_output": 1}),
+]
+
+
+@pytest.mark.parametrize(("field", "kwargs"), INVALID_PARAMS)
+def test_invalid_sampling_params_raise_value_error_naming_field_and_value(field, kwargs):
+    """Each bad value is refused with a message that names the field and quotes the value."""
+    with pytest.raises(ValueError) as raised:
+        SamplingParams(**kwargs)
+
+    message = str(raised.value)
+    assert message.startswith(f"{field} must be ")
+    assert repr(kwargs[field]) in message
+
+
+def test_every_field_has_an_invalid_example():
+    """The table above covers every validated field (structured_outputs accepts anything)."""
+    validated = {field.name for field in dataclasses.fields(SamplingParams)}
+    assert {field for field, _ in INVALID_PARAMS} == validated - {"structured_outputs"}
+
+
+def test_sampling_params_normalise_their_inputs():
+    """top_k=-1 means off (0), one stop string becomes a list, ids become a list, ints floats."""
+    params = SamplingParams(top_k=-1, stop="###", stop_token_ids=(7, 8), temperature=1)
+
+    assert params.top_k == 0
+    assert params.stop == ["###"]
+    assert params.stop_token_ids == [7, 8]
+    assert isinstance(params.temperature, float)
+    assert SamplingParams().stop == [] and SamplingParams().stop_token_ids == []
+    assert SamplingParams(max_tokens=None, min_tokens=100).max_tokens is None
+
+
+def test_defaults_match_vllm_and_greedy_means_temperature_below_1e_5():
+    """Defaults are vLLM's; temperatures below 1e-5 count as greedy; greedy with n > 1 is fine."""
+    defaults = SamplingParams()
+    assert (defaults.n, defaults.temperature, defaults.top_p, defaults.top_k) == (1, 1.0, 1.0, 0)
+    assert (defaults.max_tokens, defaults.min_tokens, defaults.logprobs) == (16, 0, None)
+    assert not defaults.is_greedy
+    assert SamplingParams(temperature=0.0).is_greedy
+    assert SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=1e-4).is_greedy
+    assert SamplingParams(n=4, temperature=0.0).n == 4
+
+
+def test_make_generator_is_reproducible():
+    """Two generators made from one seed produce the same numbers."""
+    first = torch.rand(5, generator=make_generator(11))
+    second = torch.rand(5, generator=make_generator(11))
+    assert torch.equal(first, second)
