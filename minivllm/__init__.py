@@ -1,6 +1,6 @@
 """minivllm: a readable, step-by-step vLLM-style inference engine, written as a book.
 
-    from minivllm import LLM, SamplingParams
+from minivllm import LLM, SamplingParams
 """
 
 from minivllm.llm import LLM

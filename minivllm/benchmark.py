@@ -42,7 +42,9 @@ class BenchmarkContext:
     @classmethod
     def load(cls, model=None, dtype: torch.dtype = torch.float32, batch_size: int = 16):
         model_dir = resolve_model_path(model)
-        return cls(model_dir, load_model(model_dir, dtype), load_tokenizer(model_dir), dtype, batch_size)
+        return cls(
+            model_dir, load_model(model_dir, dtype), load_tokenizer(model_dir), dtype, batch_size
+        )
 
     @property
     def hf_model(self):
@@ -199,9 +201,7 @@ def write_json(path: str | Path, workload: Workload, results: list[MethodResult]
     record = {
         "workload": {"name": workload.name, "description": workload.description},
         "device": device_label(),
-        "results": [
-            asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results
-        ],
+        "results": [asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in results],
         **extra,
     }
     Path(path).write_text(json.dumps(record, indent=2))

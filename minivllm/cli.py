@@ -13,7 +13,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # minivllm never reads the network
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local HF directory (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model", default=None, help="local HF directory (default: embedded SmolLM2-135M-Instruct)"
+    )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
     parser.add_argument("--seed", type=int, default=0)
@@ -83,7 +85,9 @@ def cmd_bench(args) -> None:
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     ctx = BenchmarkContext.load(args.model, dtype, batch_size=args.batch_size)
-    make = {"throughput": throughput_workload, "varied-output": varied_output_workload}[args.workload]
+    make = {"throughput": throughput_workload, "varied-output": varied_output_workload}[
+        args.workload
+    ]
     workload = make(ctx.tokenizer, num_requests=args.num_requests)
     if args.output_len is not None:
         workload.output_lengths = [args.output_len] * workload.num_requests

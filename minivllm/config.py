@@ -94,7 +94,8 @@ class ModelConfig:
             rms_norm_eps=hf_config.rms_norm_eps,
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            attention_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            attention_bias=model_type == "qwen2"
+            or bool(getattr(hf_config, "attention_bias", False)),
             qk_norm=model_type == "qwen3",
             sliding_window=sliding_window,
             rope_type=rope_type,
@@ -104,7 +105,7 @@ class ModelConfig:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """"auto" means CUDA when a GPU is present, else the CPU."""
+    """ "auto" means CUDA when a GPU is present, else the CPU."""
     if isinstance(device, torch.device):
         return device
     if device == "auto":
@@ -125,7 +126,7 @@ _DTYPES = {
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto" means float32 on the CPU (exact, and what transformers compares against) and
+    """ "auto" means float32 on the CPU (exact, and what transformers compares against) and
     bfloat16 on CUDA (half the memory traffic, no overflow risk)."""
     if isinstance(dtype, torch.dtype):
         if dtype in _DTYPES.values():
@@ -136,3 +137,55 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
     return _DTYPES[dtype]
+
+
+# The KV-cache budget on the CPU when none is given: enough for 64 sequences of ~700 tokens of
+# the embedded model in float32, small next to a laptop's memory.
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+@dataclass
+class EngineConfig:
+    """Everything `LLM(...)` and `minivllm serve` accept, checked in one place (vLLM spelling)."""
+
+    model: str | None = None
+    dtype: str | torch.dtype = "auto"
+    device: str | torch.device = "auto"
+    seed: int = 0
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None  # CPU default: DEFAULT_CPU_KV_CACHE_BYTES
+    gpu_memory_utilization: float = 0.9
+    scheduling_policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self):
+        _require_int("block_size", self.block_size, 1)
+        _require_int("max_num_seqs", self.max_num_seqs, 1)
+        _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _require_int("seed", self.seed, None)
+        if self.max_model_len is not None:
+            _require_int("max_model_len", self.max_model_len, 2)
+        if self.kv_cache_memory_bytes is not None:
+            _require_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        if not (
+            isinstance(self.gpu_memory_utilization, (int, float))
+            and 0 < self.gpu_memory_utilization <= 1
+        ):
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+
+
+def _require_int(name: str, value, minimum: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

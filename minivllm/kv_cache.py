@@ -128,7 +128,9 @@ def generate_static_batch(
     """Run `requests` to completion as one static batch; their outputs are filled in place."""
     device = model.model.embed_tokens.weight.device
     dtype = model.model.embed_tokens.weight.dtype
-    max_len = max(len(r.prompt_token_ids) + r.max_tokens for r in requests)
+    # Every row advances one slot per decode step, finished or not, for as many steps as the
+    # longest output: so each row needs room for the longest prompt plus the longest output.
+    max_len = max(len(r.prompt_token_ids) for r in requests) + max(r.max_tokens for r in requests)
     cache = ContiguousKVCache(model.config, len(requests), max_len, dtype, device)
     stats = StaticBatchStats(reserved_kv_bytes=cache.reserved_bytes)
 

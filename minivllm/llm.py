@@ -5,31 +5,35 @@
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
     print(outputs[0].outputs[0].text)
 
-`LLM` loads the model and tokenizer, turns prompts into validated requests (`Processor`) and
-runs them on an engine. Here the engine is chapter 02's static batching: requests run in
-batches of up to `max_num_seqs`, each batch until its longest member ends.
+`LLM` is a thin loop around `LLMEngine` (chapter 04): validate every prompt, add them all as
+requests, call `step()` until none is left, and return the finished outputs in input order.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Mapping
 
 import torch
 from tqdm.auto import tqdm
 
-from minivllm.config import resolve_device, resolve_dtype
-from minivllm.kv_cache import generate_static_batch
-from minivllm.model_loader import load_model, load_tokenizer, resolve_model_path
+from minivllm.config import EngineConfig
+from minivllm.engine import LLMEngine, Metric
 from minivllm.outputs import RequestOutput
-from minivllm.processor import Processor, broadcast_params
-from minivllm.request import Request
-from minivllm.sampling import Sampler, SamplingParams, make_generator
+from minivllm.processor import broadcast_params
+from minivllm.sampling import SamplingParams
 from minivllm.tokenizer import apply_chat_template
 
 
 class LLM:
-    """Load a model once, then generate for batches of prompts."""
+    """Load a model once, then generate for batches of prompts.
+
+    Arguments are vLLM's: `model` (a local Hugging Face directory; default: the embedded
+    SmolLM2-135M-Instruct), `dtype`, `device`, `seed`, `block_size`, `max_num_seqs`,
+    `max_num_batched_tokens`, `max_model_len`, `kv_cache_memory_bytes`,
+    `gpu_memory_utilization`, `scheduling_policy`, `enable_chunked_prefill`.
+    """
 
     def __init__(
         self,
@@ -38,30 +42,47 @@ class LLM:
         dtype: str | torch.dtype = "auto",
         device: str | torch.device = "auto",
         seed: int = 0,
+        block_size: int = 16,
         max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
         max_model_len: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        scheduling_policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
     ):
-        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.model_path = resolve_model_path(model)
-        self.model = load_model(self.model_path, self.dtype, self.device)
-        self.tokenizer = load_tokenizer(self.model_path)
-        self.model_config = self.model.config
-        self.max_model_len = self.model_config.max_model_len
-        if max_model_len is not None:
-            if not isinstance(max_model_len, int) or max_model_len < 2:
-                raise ValueError(f"max_model_len must be an int >= 2, got {max_model_len!r}")
-            self.max_model_len = min(self.max_model_len, max_model_len)
-        self.max_num_seqs = max_num_seqs
-        self.eos_token_ids = _eos_token_ids(self.model_config.hf_config, self.tokenizer)
-        self.processor = Processor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
-        self.sampler = Sampler(default_generator=make_generator(seed))
+        config = EngineConfig(
+            model=None if model is None else str(model),
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            scheduling_policy=scheduling_policy,
+            enable_chunked_prefill=enable_chunked_prefill,
+        )
+        self.llm_engine = LLMEngine.from_config(config)
         self._request_counter = itertools.count()
 
+    @property
+    def model_path(self):
+        return self.llm_engine.model_path
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm_engine.max_model_len
+
     def get_tokenizer(self):
-        return self.tokenizer
+        return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics (KV-cache usage, running/waiting requests, preemptions, token
+        counts), under vLLM's names."""
+        return self.llm_engine.get_metrics()
 
     def generate(
         self,
@@ -69,38 +90,36 @@ class LLM:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt; results come back in the order of `prompts`."""
-        if isinstance(prompts, (str, dict)):
+        if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
-        params_per_prompt = broadcast_params(sampling_params, len(prompts))
-        # Validate everything before running anything, so one bad prompt leaves no half-done work.
-        processed = [self.processor.process_prompt(p) for p in prompts]
-        for prompt, params in zip(processed, params_per_prompt):
-            self.processor.check_fits(prompt, params)
-
-        groups = []  # one list of n sequences per prompt
-        for prompt, params in zip(processed, params_per_prompt):
-            request_id = str(next(self._request_counter))
-            groups.append(
-                [
-                    Request.create(
-                        request_id,
-                        prompt.text,
-                        prompt.token_ids,
-                        params,
-                        self.tokenizer,
-                        self.eos_token_ids,
-                        self.max_model_len,
-                        index=i,
-                    )
-                    for i in range(params.n)
-                ]
+            raise TypeError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
             )
-        self._run([r for group in groups for r in group], use_tqdm)
-        return [_request_output(group) for group in groups]
+        params_per_prompt = broadcast_params(sampling_params, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        # Validate everything before queuing anything: one bad prompt must leave no work behind.
+        processor = self.llm_engine.processor
+        processed = [processor.process_prompt(p) for p in prompts]
+        for prompt, params in zip(processed, params_per_prompt):
+            processor.check_fits(prompt, params)
+
+        request_ids = [str(next(self._request_counter)) for _ in prompts]
+        for request_id, prompt, params, prio in zip(
+            request_ids, processed, params_per_prompt, priorities
+        ):
+            self.llm_engine.add_request(
+                request_id,
+                {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
+                params,
+                priority=prio,
+            )
+        return self._run_engine(request_ids, use_tqdm)
 
     def chat(
         self,
@@ -112,44 +131,34 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of {"role", "content"} messages) or a list of them,
         formatted with the model's chat template."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        is_batch = (
+            isinstance(messages, (list, tuple))
+            and bool(messages)
+            and isinstance(messages[0], (list, tuple))
+        )
+        conversations = messages if is_batch else [messages]
+        tokenizer = self.get_tokenizer()
         prompts = [
             {
                 "prompt_token_ids": apply_chat_template(
-                    self.tokenizer, conversation, add_generation_prompt=add_generation_prompt
+                    tokenizer, c, add_generation_prompt=add_generation_prompt
                 )
             }
-            for conversation in conversations
+            for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, requests: list[Request], use_tqdm: bool) -> None:
-        """Static batches of up to max_num_seqs sequences, in order."""
-        progress = tqdm(total=len(requests), desc="Processed prompts", disable=not use_tqdm)
-        for start in range(0, len(requests), self.max_num_seqs):
-            batch = requests[start : start + self.max_num_seqs]
-            generate_static_batch(self.model, batch, self.sampler)
-            progress.update(len(batch))
-        progress.close()
-
-
-def _request_output(sequences: list[Request]) -> RequestOutput:
-    first = sequences[0]
-    return RequestOutput(
-        request_id=first.request_id,
-        prompt=first.prompt,
-        prompt_token_ids=first.prompt_token_ids,
-        outputs=[s.completion_output() for s in sequences],
-        finished=all(s.is_finished for s in sequences),
-        metrics=first.metrics,
-    )
-
-
-def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
-    """EOS ids from the model config (an int or a list) and the tokenizer, deduplicated."""
-    ids = getattr(hf_config, "eos_token_id", None)
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    return tuple(dict.fromkeys(ids))
-
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm)
+        try:
+            while self.llm_engine.has_unfinished_requests():
+                for output in self.llm_engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        progress.update(1)
+        finally:
+            progress.close()
+            # Interrupted (Ctrl-C, an error): abort what is left so every block goes back.
+            self.llm_engine.abort_request([rid for rid in request_ids if rid not in finished])
+        return [finished[rid] for rid in request_ids]

@@ -45,9 +45,7 @@ def embedded_gguf_path() -> Path:
     its `__init__` needs a plugin host we do not install)."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"the embedded model is not installed; install it with: {INSTALL_HINT}"
-        )
+        raise ValueError(f"the embedded model is not installed; install it with: {INSTALL_HINT}")
     path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF_FILE
     if not path.is_file():
         raise ValueError(f"{path} is missing; reinstall the embedded model with: {INSTALL_HINT}")

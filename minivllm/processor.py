@@ -13,9 +13,7 @@ from dataclasses import dataclass
 from minivllm.sampling import SamplingParams
 from minivllm.tokenizer import encode_prompt
 
-PROMPT_FORMS = (
-    "a string, {'prompt': str} or {'prompt_token_ids': list[int]}"
-)
+PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': list[int]}"
 
 
 @dataclass
@@ -35,10 +33,15 @@ class Processor:
         if isinstance(prompt, str):
             text, token_ids = prompt, self._encode(prompt)
         elif isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"])
+            text, token_ids = (
+                prompt.get("prompt"),
+                self._check_token_ids(prompt["prompt_token_ids"]),
+            )
         elif isinstance(prompt, Mapping) and "prompt" in prompt:
             if not isinstance(prompt["prompt"], str):
-                raise TypeError(f"prompt['prompt'] must be a string, got {type(prompt['prompt']).__name__}")
+                raise TypeError(
+                    f"prompt['prompt'] must be a string, got {type(prompt['prompt']).__name__}"
+                )
             text, token_ids = prompt["prompt"], self._encode(prompt["prompt"])
         else:
             raise TypeError(f"a prompt must be {PROMPT_FORMS}; got {type(prompt).__name__}")

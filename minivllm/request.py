@@ -9,6 +9,7 @@ whichever engine produced the token, so they live here once.
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -17,6 +18,12 @@ import torch
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics
 from minivllm.sampling import SamplingParams, SamplingRow, TokenLogprobs, make_generator
 from minivllm.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted yet, or preempted and waiting to be recomputed
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
 
 
 @dataclass
@@ -38,6 +45,11 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    # Scheduling state (chapter 04): tokens whose K/V are in the cache, and the queue position.
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    priority: int = 0  # with the "priority" policy, lower runs first (vLLM's convention)
+    num_preemptions: int = 0
 
     @classmethod
     def create(
@@ -86,6 +98,15 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions start..end-1 of prompt + output, without copying the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
     @property
     def max_tokens(self) -> int:
         """The output budget: max_tokens, or whatever the context leaves when it is None."""
@@ -123,7 +144,9 @@ class Request:
         sampled = token_logprobs.sampled_token_id
         if sampled not in entries:
             entries[sampled] = Logprob(
-                token_logprobs.sampled_logprob, token_logprobs.sampled_rank, tokenizer.decode([sampled])
+                token_logprobs.sampled_logprob,
+                token_logprobs.sampled_rank,
+                tokenizer.decode([sampled]),
             )
         self.logprobs.append(entries)
         self.cumulative_logprob += token_logprobs.sampled_logprob

@@ -36,7 +36,10 @@ def run_tour(quick: bool = False) -> None:
     ctx = BenchmarkContext(llm.model_path, llm.model, llm.tokenizer, torch.float32, batch_size=8)
     num_requests, output_length = (4, 16) if quick else (8, 32)
     workload = throughput_workload(
-        llm.tokenizer, num_requests=num_requests, prompt_lengths=(20, 120), output_length=output_length
+        llm.tokenizer,
+        num_requests=num_requests,
+        prompt_lengths=(20, 120),
+        output_length=output_length,
     )
     print(f"Workload: {workload.description}; {device_label()}, float32, greedy.")
     results = run_benchmark(ctx, workload, TOUR_METHODS)

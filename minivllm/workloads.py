@@ -77,7 +77,9 @@ def throughput_workload(
     """Many chat requests, prompt lengths spread evenly over a range, a fixed output length."""
     rng = random.Random(seed)
     low, high = prompt_lengths
-    lengths = [low + round(i * (high - low) / max(num_requests - 1, 1)) for i in range(num_requests)]
+    lengths = [
+        low + round(i * (high - low) / max(num_requests - 1, 1)) for i in range(num_requests)
+    ]
     rng.shuffle(lengths)
     return Workload(
         name="throughput",
@@ -101,7 +103,9 @@ def varied_output_workload(
     base = throughput_workload(tokenizer, num_requests, prompt_lengths, 1, seed)
     rng = random.Random(seed + 1)
     low, high = output_lengths
-    lengths = [low + round(i * (high - low) / max(num_requests - 1, 1)) for i in range(num_requests)]
+    lengths = [
+        low + round(i * (high - low) / max(num_requests - 1, 1)) for i in range(num_requests)
+    ]
     rng.shuffle(lengths)
     return Workload(
         name="varied-output",

@@ -20,7 +20,8 @@ import torch  # noqa: E402
 from minivllm.model_loader import embedded_model_dir, load_model, load_tokenizer  # noqa: E402
 from minivllm.models.tiny import TINY_FAMILIES, make_tiny_model  # noqa: E402
 
-EOS_TOKEN_ID = 2  # <|im_end|> of SmolLM2-Instruct (and of the tiny models, which share its tokenizer)
+# <|im_end|> of SmolLM2-Instruct, and of the tiny models, which share its tokenizer.
+EOS_TOKEN_ID = 2
 
 # User messages of very different lengths. The last two are long but ask for a short answer,
 # so a greedy reply ends at EOS after a few tokens while the short ones run to their limit.

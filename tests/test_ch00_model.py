@@ -12,10 +12,10 @@ import shutil
 
 import pytest
 import torch
+from conftest import chat_prompt_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import chat_prompt_ids
 from minivllm.config import ModelConfig
 from minivllm.model_loader import load_model, resolve_model_path
 from minivllm.models.llama import RMSNorm, RotaryEmbedding, apply_rope
@@ -36,7 +36,9 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([token_ids])).logits[0].float()
 
 
-def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor, atol: float, rtol: float = 1e-5):
+def assert_logits_close(
+    ours: torch.Tensor, reference: torch.Tensor, atol: float, rtol: float = 1e-5
+):
     """|ours - reference| <= atol + rtol * |reference| everywhere, and the same argmax."""
     assert ours.shape == reference.shape
     excess = (ours - reference).abs() - (atol + rtol * reference.abs())
@@ -104,12 +106,20 @@ def test_rope_scaling_variant_matches_transformers(rope_type, tmp_path, embedded
     from transformers import AutoModelForCausalLM
 
     path = make_tiny_model(
-        "llama", tmp_path, seed=1, tokenizer_dir=embedded_dir, rope_parameters=ROPE_SCALINGS[rope_type]
+        "llama",
+        tmp_path,
+        seed=1,
+        tokenizer_dir=embedded_dir,
+        rope_parameters=ROPE_SCALINGS[rope_type],
     )
-    assert json.loads((path / "config.json").read_text())["rope_parameters"]["rope_type"] == rope_type
+    assert (
+        json.loads((path / "config.json").read_text())["rope_parameters"]["rope_type"] == rope_type
+    )
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = chat_prompt_ids(tokenizer, "Scaled rotary embeddings stretch the context window.")
-    assert_logits_close(our_logits(load_model(path), prompt), hf_logits(hf_model, prompt), atol=1e-5)
+    assert_logits_close(
+        our_logits(load_model(path), prompt), hf_logits(hf_model, prompt), atol=1e-5
+    )
 
 
 # --- RoPE and RMSNorm against their definitions ---------------------------------------------
@@ -263,4 +273,3 @@ def test_loader_rejects_weights_of_another_shape_of_model(tiny_llama_copy):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="missing .*layers.2"):
         load(path)
-

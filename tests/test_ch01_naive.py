@@ -8,8 +8,8 @@ length): prompts are real chat prompts of very different lengths, replies 20 tok
 from __future__ import annotations
 
 import pytest
-
 from conftest import CHAT_MESSAGES, EOS_TOKEN_ID, hf_generate
+
 from minivllm.models.tiny import TINY_FAMILIES
 from minivllm.naive import generate_with_transformers, generate_without_cache
 
@@ -32,7 +32,10 @@ def test_generate_with_transformers_is_plain_greedy_generate(
     """The baseline wrapper returns just the new tokens of a greedy `model.generate` call."""
     prompt = chat_prompts[0]
     expected = transformers_greedy(prompt, MAX_NEW_TOKENS, EOS_TOKEN_ID)
-    assert generate_with_transformers(hf_embedded_model, prompt, MAX_NEW_TOKENS, EOS_TOKEN_ID) == expected
+    assert (
+        generate_with_transformers(hf_embedded_model, prompt, MAX_NEW_TOKENS, EOS_TOKEN_ID)
+        == expected
+    )
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import EOS_TOKEN_ID, hf_generate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import EOS_TOKEN_ID, hf_generate
 from minivllm.kv_cache import ContiguousKVCache, generate_static_batch
 from minivllm.model_loader import load_model
 from minivllm.models.tiny import TINY_FAMILIES
@@ -34,7 +34,7 @@ def greedy_requests(tokenizer, prompts, max_tokens, ignore_eos=False) -> list[Re
             eos_token_ids=(EOS_TOKEN_ID,),
             max_model_len=8192,
         )
-        for i, (prompt, limit) in enumerate(zip(prompts, max_tokens))
+        for i, (prompt, limit) in enumerate(zip(prompts, max_tokens, strict=True))
     ]
 
 
@@ -57,7 +57,7 @@ def test_static_batch_equals_transformers_per_prompt(
     """A static batch of prompts of different lengths and limits gives each row exactly the
     tokens transformers generates for that prompt alone (EOS and max_tokens stops included)."""
     requests, _ = run_static_batch(embedded_model, tokenizer, chat_prompts, STATIC_MAX_TOKENS)
-    for request, prompt, limit in zip(requests, chat_prompts, STATIC_MAX_TOKENS):
+    for request, prompt, limit in zip(requests, chat_prompts, STATIC_MAX_TOKENS, strict=True):
         expected = transformers_greedy(prompt, limit, EOS_TOKEN_ID)
         assert request.output_token_ids == expected, f"row {request.request_id}"
         ended_at_eos = expected[-1] == EOS_TOKEN_ID
@@ -68,12 +68,14 @@ def test_static_batch_equals_transformers_per_prompt(
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
-def test_static_batch_equals_transformers_on_tiny_models(family, tiny_models, tokenizer, chat_prompts):
+def test_static_batch_equals_transformers_on_tiny_models(
+    family, tiny_models, tokenizer, chat_prompts
+):
     """Decoding from the cache is right for every family (GQA, q/k/v bias, q/k norm)."""
     ours, hf_model = tiny_models(family)
     prompts, max_tokens = chat_prompts[:3], [5, 12, 9]
     requests, _ = run_static_batch(ours, tokenizer, prompts, max_tokens)
-    for request, prompt, limit in zip(requests, prompts, max_tokens):
+    for request, prompt, limit in zip(requests, prompts, max_tokens, strict=True):
         assert request.output_token_ids == hf_generate(hf_model, prompt, limit, EOS_TOKEN_ID)
 
 
@@ -138,7 +140,9 @@ def test_contiguous_cache_reserves_batch_times_max_len_tokens(
     cache = ContiguousKVCache(embedded_model.config, batch_size, max_len, dtype, "cpu")
     per_token = kv_bytes_per_token_by_definition(hf_embedded_model.config, dtype)
     assert cache.reserved_bytes == batch_size * max_len * per_token
-    assert cache.reserved_bytes == batch_size * max_len * embedded_model.config.kv_bytes_per_token(dtype)
+    assert cache.reserved_bytes == batch_size * max_len * embedded_model.config.kv_bytes_per_token(
+        dtype
+    )
 
 
 @settings(max_examples=15, deadline=None)
@@ -154,7 +158,9 @@ def test_static_batch_stats_count_computed_and_useful_rows(rows, seed, tiny_llam
     """Every decode step computes every row; only rows still generating are useful. The batch
     runs until its longest request is done."""
     generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 49152, (length,), generator=generator).tolist() for length, _ in rows]
+    prompts = [
+        torch.randint(3, 49152, (length,), generator=generator).tolist() for length, _ in rows
+    ]
     max_tokens = [limit for _, limit in rows]
     requests, stats = run_static_batch(
         tiny_llama.model, tiny_llama.tokenizer, prompts, max_tokens, ignore_eos=True
@@ -189,7 +195,7 @@ def test_static_batch_reserves_a_rectangle_that_fits_every_row(rows, tiny_llama)
     per_token = tiny_llama.model.config.kv_bytes_per_token(torch.float32)
     slots, remainder = divmod(stats.reserved_kv_bytes, len(requests) * per_token)
     assert remainder == 0
-    longest_sequence = max(len(p) + limit for p, limit in zip(prompts, max_tokens))
+    longest_sequence = max(len(p) + limit for p, limit in zip(prompts, max_tokens, strict=True))
     assert longest_sequence - 1 <= slots <= max(map(len, prompts)) + max(max_tokens)
 
 
@@ -209,7 +215,9 @@ def test_one_long_request_makes_short_ones_waste_rows(tiny_llama, chat_prompts):
 # --- lower precision ------------------------------------------------------------------------
 
 
-def test_bfloat16_model_starts_like_float32(embedded_dir, tokenizer, chat_prompts, transformers_greedy):
+def test_bfloat16_model_starts_like_float32(
+    embedded_dir, tokenizer, chat_prompts, transformers_greedy
+):
     """In bfloat16 the embedded model still starts its greedy reply like the float32 model
     (a sanity check, not exactness: rounding can flip a close call later on)."""
     model = load_model(embedded_dir, torch.bfloat16)
@@ -218,7 +226,7 @@ def test_bfloat16_model_starts_like_float32(embedded_dir, tokenizer, chat_prompt
     float32_tokens = transformers_greedy(prompt, 20, EOS_TOKEN_ID)[:8]
     (request,), _ = run_static_batch(model, tokenizer, [prompt], [len(float32_tokens)])
     matching = 0
-    for ours, reference in zip(request.output_token_ids, float32_tokens):
+    for ours, reference in zip(request.output_token_ids, float32_tokens, strict=False):
         if ours != reference:
             break
         matching += 1

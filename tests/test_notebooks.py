@@ -23,7 +23,10 @@ def test_notebook_runs_in_quick_mode(path, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     notebook = nbformat.read(path, as_version=4)
     client = NotebookClient(
-        notebook, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        notebook,
+        timeout=900,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
     )
     client.execute()
     assert any(tmp_path.iterdir()), "the notebook saved no figure"

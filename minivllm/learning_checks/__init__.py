@@ -32,7 +32,9 @@ class LearningCheck:
     name: str  # "ch00.rms_norm": chapter and piece
     signature: str  # the function the learner writes
     run_property: Callable[[Callable], None]  # raises (with hypothesis' notes) when impl is wrong
-    reference: Callable[[], Callable]  # returns minivllm's own implementation, adapted to `signature`
+    reference: Callable[
+        [], Callable
+    ]  # returns minivllm's own implementation, adapted to `signature`
 
 
 @dataclass

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from minivllm.learning_checks import check_settings, learning_check
 
+
 def _our_rms_norm():
     from minivllm.models.llama import RMSNorm
 

@@ -105,7 +105,9 @@ def check_decode_attention(decode_attention) -> None:
         data=st.data(),
     )
     def property_(batch, kv_heads, group, head_dim, max_len, data):
-        seq_lens = torch.tensor(data.draw(st.lists(st.integers(1, max_len), min_size=batch, max_size=batch)))
+        seq_lens = torch.tensor(
+            data.draw(st.lists(st.integers(1, max_len), min_size=batch, max_size=batch))
+        )
         seed = data.draw(st.integers(0, 2**16))
         generator = torch.Generator().manual_seed(seed)
         heads = kv_heads * group
@@ -121,7 +123,9 @@ def check_decode_attention(decode_attention) -> None:
                 weights = torch.softmax(k @ q[b, h].double() / head_dim**0.5, dim=0)
                 expected[b, h] = weights @ v
         got = decode_attention(q, keys, values, seq_lens)
-        assert got.shape == expected.shape, f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        assert got.shape == expected.shape, (
+            f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+        )
         assert torch.allclose(got.double(), expected, atol=1e-5), (
             f"max difference {(got.double() - expected).abs().max().item():.3g} "
             f"(seq_lens={seq_lens.tolist()})"

@@ -1,0 +1,255 @@
+"""Chapter 04 — the engine: requests in, one scheduler step and one forward pass at a time, outputs out.
+
+    engine = LLMEngine.from_config(EngineConfig())
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=8))
+    while engine.has_unfinished_requests():
+        for output in engine.step():          # every request that got a token this step
+            print(output.request_id, output.outputs[0].text, output.finished)
+
+`step()` is the loop of design §5: the scheduler picks tokens under the budget (allocating KV
+blocks, preempting if needed), the model runner runs them as one flat batch over the paged
+cache, the scheduler appends the sampled tokens and retires finished requests, and the engine
+turns the updated requests into vLLM `RequestOutput`s. The async server drives this same loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.attention import PagedKVCache
+from minivllm.block_manager import KVCacheManager
+from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, resolve_device, resolve_dtype
+from minivllm.model_loader import load_model, load_tokenizer, resolve_model_path
+from minivllm.model_runner import ModelRunner
+from minivllm.naive import CausalAttention
+from minivllm.outputs import RequestOutput
+from minivllm.processor import Processor
+from minivllm.request import Request
+from minivllm.sampling import Sampler, SamplingParams, make_generator
+from minivllm.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass
+class Metric:
+    """One engine metric, named as vLLM names it (what `/metrics` serves)."""
+
+    name: str
+    kind: str  # "gauge" or "counter"
+    value: float
+    description: str
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model_path = resolve_model_path(config.model)
+        self.model = load_model(self.model_path, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(self.model_path)
+        self.model_config = self.model.config
+
+        num_blocks = self._num_kv_blocks()
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache = PagedKVCache(
+            self.model_config, num_blocks, config.block_size, self.dtype, self.device
+        )
+        # A sequence must fit in the context *and* in the pool on its own; otherwise it could
+        # preempt everybody and still not run.
+        self.max_model_len = min(self.model_config.max_model_len, num_blocks * config.block_size)
+        if config.max_model_len is not None:
+            self.max_model_len = min(self.max_model_len, config.max_model_len)
+
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                policy=config.scheduling_policy,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv_cache_manager,
+        )
+        sampler = Sampler(default_generator=make_generator(config.seed, self.device))
+        self.model_runner = ModelRunner(self.model, self.kv_cache, self.kv_cache_manager, sampler)
+        self.processor = Processor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
+        self.eos_token_ids = eos_token_ids(self.model_config.hf_config, self.tokenizer)
+        self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config)
+
+    def _num_kv_blocks(self) -> int:
+        """Blocks that fit the KV budget: kv_cache_memory_bytes, or on CUDA what is left of
+        gpu_memory_utilization after a profiling forward at the largest batch."""
+        config = self.config
+        budget = config.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        if budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = PagedKVCache.num_blocks_for_budget(
+            self.model_config, config.block_size, self.dtype, budget
+        )
+        if num_blocks < 1:
+            bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token(self.dtype)
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no KV block; one block of "
+                f"{config.block_size} tokens needs {bytes_per_block} bytes"
+            )
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_free_gpu_memory(self) -> int:
+        """Run the largest batch once (no cache), measure the peak activation memory, and give
+        the KV cache whatever gpu_memory_utilization leaves."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
+        dummy = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(
+            dummy, torch.arange(num_tokens, device=self.device), CausalAttention([0, num_tokens])
+        )
+        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    # --- requests ---
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+    ) -> None:
+        """Validate and queue a request (a string, {"prompt": ...} or {"prompt_token_ids": ...}).
+        Raises ValueError/TypeError for bad input; nothing is queued then."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        processed = self.processor.process_prompt(prompt)
+        self.processor.check_fits(processed, params)
+        sequences = []
+        for index in range(params.n):
+            sequence = Request.create(
+                request_id if params.n == 1 else f"{request_id}#{index}",
+                processed.text,
+                processed.token_ids,
+                params,
+                self.tokenizer,
+                self.eos_token_ids,
+                self.max_model_len,
+                index=index,
+            )
+            sequence.priority = priority
+            sequences.append(sequence)
+        self.requests[request_id] = sequences
+        for sequence in sequences:
+            self.scheduler.add_request(sequence)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests wherever they are (waiting, mid-prefill, decoding); frees their blocks."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            for sequence in self.requests.pop(rid, []):
+                if not sequence.is_finished:
+                    self.scheduler.abort_request(sequence)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # --- the loop ---
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling decision and one forward pass; outputs of requests that advanced."""
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.scheduled:
+            return []
+        sampled = self.model_runner.execute(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, sampled)
+        parent_ids = []
+        for sequence in updated:
+            if len(sequence.output_token_ids) == 1:
+                self.num_prompt_tokens += len(sequence.prompt_token_ids)
+            self.num_generation_tokens += 1
+            parent_id = (
+                sequence.request_id.split("#")[0] if sequence.params.n > 1 else sequence.request_id
+            )
+            if parent_id not in parent_ids:
+                parent_ids.append(parent_id)
+        outputs = [self._request_output(parent_id) for parent_id in parent_ids]
+        for output in outputs:
+            if output.finished:
+                del self.requests[output.request_id]
+        return outputs
+
+    def _request_output(self, request_id: str) -> RequestOutput:
+        sequences = self.requests[request_id]
+        first = sequences[0]
+        return RequestOutput(
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[s.completion_output() for s in sequences],
+            finished=all(s.is_finished for s in sequences),
+            metrics=first.metrics,
+        )
+
+    # --- metrics ---
+
+    def get_metrics(self) -> list[Metric]:
+        scheduler = self.scheduler
+        usage = self.kv_cache_manager.usage if scheduler.running else 0.0
+        return [
+            Metric(
+                "vllm:kv_cache_usage_perc",
+                "gauge",
+                usage,
+                "Share of KV blocks held by live requests",
+            ),
+            Metric(
+                "vllm:num_requests_running",
+                "gauge",
+                len(scheduler.running),
+                "Requests in the running batch",
+            ),
+            Metric(
+                "vllm:num_requests_waiting",
+                "gauge",
+                len(scheduler.waiting),
+                "Requests waiting to be scheduled",
+            ),
+            Metric(
+                "vllm:num_preemptions", "counter", scheduler.num_preemptions, "Preemptions so far"
+            ),
+            Metric(
+                "vllm:prompt_tokens",
+                "counter",
+                self.num_prompt_tokens,
+                "Prompt tokens of requests that produced a token",
+            ),
+            Metric(
+                "vllm:generation_tokens", "counter", self.num_generation_tokens, "Generated tokens"
+            ),
+        ]
+
+
+def eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
+    """EOS ids from the model config (an int or a list) and the tokenizer, deduplicated."""
+    ids = getattr(hf_config, "eos_token_id", None)
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))
