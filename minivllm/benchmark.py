@@ -12,6 +12,7 @@ theirs to `METHODS`.
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -37,14 +38,21 @@ class BenchmarkContext:
     tokenizer: object
     dtype: torch.dtype
     batch_size: int = 16  # rows per static batch
+    engine_args: dict = field(default_factory=dict)  # extra LLM(...) arguments for "engine"
+    llm: object = field(default=None, repr=False)
     _hf_model: object = field(default=None, repr=False)
 
     @classmethod
-    def load(cls, model=None, dtype: torch.dtype = torch.float32, batch_size: int = 16):
+    def load(
+        cls,
+        model=None,
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 16,
+        device: torch.device | str = "cpu",
+    ) -> BenchmarkContext:
         model_dir = resolve_model_path(model)
-        return cls(
-            model_dir, load_model(model_dir, dtype), load_tokenizer(model_dir), dtype, batch_size
-        )
+        our_model = load_model(model_dir, dtype, device)
+        return cls(model_dir, our_model, load_tokenizer(model_dir), dtype, batch_size)
 
     @property
     def hf_model(self):
@@ -52,8 +60,8 @@ class BenchmarkContext:
         if self._hf_model is None:
             from transformers import AutoModelForCausalLM
 
-            self._hf_model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
-            self._hf_model.eval()
+            hf_model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype)
+            self._hf_model = hf_model.to(self.device).eval()
         return self._hf_model
 
     @property
@@ -67,6 +75,8 @@ class Method:
     label: str
     chapter: int
     run: Callable[[BenchmarkContext, Workload], list[list[int]]]  # -> generated ids per request
+    # Untimed preparation (building an engine, a warm-up pass) before `run` is timed.
+    setup: Callable[[BenchmarkContext, Workload], None] | None = None
 
 
 @dataclass
@@ -97,10 +107,56 @@ def _run_transformers_one_at_a_time(ctx: BenchmarkContext, workload: Workload) -
     ]
 
 
+@torch.inference_mode()
+def _run_transformers_static_batches(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
+    """transformers `generate` on left-padded batches: each batch runs to its longest output."""
+    outputs = []
+    pad_id = ctx.tokenizer.pad_token_id or 0
+    for start in range(0, workload.num_requests, ctx.batch_size):
+        prompts = workload.prompts[start : start + ctx.batch_size]
+        lengths = workload.output_lengths[start : start + ctx.batch_size]
+        width = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        generated = ctx.hf_model.generate(
+            input_ids.to(ctx.device),
+            attention_mask=attention_mask.to(ctx.device),
+            max_new_tokens=max(lengths),
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=pad_id,
+        )
+        outputs += [row[width : width + n].tolist() for row, n in zip(generated, lengths)]
+    return outputs
+
+
+def _run_transformers_generate_batch(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
+    """transformers' own continuous batching (`generate_batch`, paged KV cache)."""
+    from transformers import GenerationConfig
+
+    if len(set(workload.output_lengths)) != 1:
+        raise ValueError("generate_batch takes one max_new_tokens for all requests")
+    config = GenerationConfig(
+        max_new_tokens=workload.output_lengths[0],
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    results = ctx.hf_model.generate_batch(workload.prompts, generation_config=config)
+    return [results[f"req_{i}"].generated_tokens for i in range(workload.num_requests)]
+
+
 def _run_without_cache(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
     return [
         generate_without_cache(ctx.model, prompt, n, eos_token_id=None)
         for prompt, n in zip(workload.prompts, workload.output_lengths)
+    ]
+
+
+def _greedy_params(workload: Workload) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        for n in workload.output_lengths
     ]
 
 
@@ -110,12 +166,12 @@ def _greedy_requests(ctx: BenchmarkContext, workload: Workload) -> list[Request]
             str(i),
             None,
             prompt,
-            SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True),
+            params,
             ctx.tokenizer,
             eos_token_ids=(),
             max_model_len=ctx.model.config.max_model_len,
         )
-        for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lengths))
+        for i, (prompt, params) in enumerate(zip(workload.prompts, _greedy_params(workload)))
     ]
 
 
@@ -129,10 +185,36 @@ def _run_static_batches(
     return [r.output_token_ids for r in requests]
 
 
+def _setup_engine(ctx: BenchmarkContext, workload: Workload) -> None:
+    """Build the engine once (untimed) and warm it up with one short request."""
+    from minivllm.llm import LLM
+
+    if ctx.llm is None:
+        ctx.llm = LLM(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, **ctx.engine_args)
+    ctx.llm.generate(
+        [{"prompt_token_ids": workload.prompts[0][:8]}],
+        SamplingParams(max_tokens=2),
+        use_tqdm=False,
+    )
+
+
+def _run_engine(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    outputs = ctx.llm.generate(prompts, _greedy_params(workload), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
         Method("hf", "transformers generate, 1 at a time", 1, _run_transformers_one_at_a_time),
+        Method(
+            "hf-static",
+            "transformers generate, padded batches",
+            2,
+            _run_transformers_static_batches,
+        ),
+        Method("hf-cb", "transformers generate_batch (paged)", 4, _run_transformers_generate_batch),
         Method("naive", "no-cache loop (ch01)", 1, _run_without_cache),
         Method(
             "kv-cache",
@@ -146,6 +228,7 @@ METHODS: dict[str, Method] = {
             2,
             lambda ctx, w: _run_static_batches(ctx, w, batch_size=ctx.batch_size),
         ),
+        Method("engine", "paged continuous batching (ch04)", 4, _run_engine, setup=_setup_engine),
     )
 }
 
@@ -160,6 +243,8 @@ def run_benchmark(
     results, first_outputs = [], None
     for name in method_names:
         method = METHODS[name]
+        if method.setup is not None:
+            method.setup(ctx, workload)
         start = time.perf_counter()
         outputs = method.run(ctx, workload)
         seconds = time.perf_counter() - start
@@ -211,6 +296,4 @@ def device_label() -> str:
     """A short name of the device, for figure titles and tables."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
-    import os
-
     return f"CPU ({os.cpu_count()} cores)"

@@ -13,14 +13,38 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # minivllm never reads the network
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The LLM(...) arguments, spelled as vLLM's command line spells them."""
     parser.add_argument(
         "--model", default=None, help="local HF directory (default: embedded SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    parser.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    )
+
+
+ENGINE_ARG_NAMES = (
+    "dtype",
+    "device",
+    "seed",
+    "block_size",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "kv_cache_memory_bytes",
+    "gpu_memory_utilization",
+    "scheduling_policy",
+    "enable_chunked_prefill",
+)
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -33,14 +57,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _make_llm(args):
     from minivllm import LLM
 
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        seed=args.seed,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-    )
+    return LLM(args.model, **{name: getattr(args, name) for name in ENGINE_ARG_NAMES})
 
 
 def _sampling_params(args):
@@ -77,21 +94,30 @@ def cmd_chat(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    import torch
-
-    from minivllm.benchmark import BenchmarkContext, format_table, run_benchmark, write_json
-    from minivllm.config import resolve_dtype
+    from minivllm.benchmark import (
+        BenchmarkContext,
+        device_label,
+        format_table,
+        run_benchmark,
+        write_json,
+    )
+    from minivllm.config import resolve_device, resolve_dtype
     from minivllm.workloads import throughput_workload, varied_output_workload
 
-    dtype = resolve_dtype(args.dtype, torch.device("cpu"))
-    ctx = BenchmarkContext.load(args.model, dtype, batch_size=args.batch_size)
-    make = {"throughput": throughput_workload, "varied-output": varied_output_workload}[
-        args.workload
-    ]
-    workload = make(ctx.tokenizer, num_requests=args.num_requests)
-    if args.output_len is not None:
-        workload.output_lengths = [args.output_len] * workload.num_requests
-    print(f"workload: {workload.description}; device: {ctx.device}; dtype: {dtype}")
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    ctx = BenchmarkContext.load(args.model, dtype, batch_size=args.batch_size, device=device)
+    ctx.engine_args = {
+        name: getattr(args, name) for name in ENGINE_ARG_NAMES if name not in ("dtype", "device")
+    }
+    if args.workload == "throughput":
+        output_length = 64 if args.output_len is None else args.output_len
+        workload = throughput_workload(
+            ctx.tokenizer, args.num_requests, output_length=output_length
+        )
+    else:
+        workload = varied_output_workload(ctx.tokenizer, args.num_requests)
+    print(f"workload: {workload.description}; {device_label()}; dtype: {dtype}")
     results = run_benchmark(ctx, workload, args.methods.split(","))
     print(format_table(results, baseline=args.baseline))
     if args.json:
@@ -121,12 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     bench = commands.add_parser("bench", help="compare generation methods side by side")
-    bench.add_argument("--model", default=None)
-    bench.add_argument("--dtype", default="auto")
+    _add_engine_args(bench)
     bench.add_argument("--workload", default="throughput", choices=["throughput", "varied-output"])
     bench.add_argument("--num-requests", type=int, default=64)
-    bench.add_argument("--output-len", type=int, default=None, help="override every output length")
-    bench.add_argument("--methods", default="hf,kv-cache,static")
+    bench.add_argument(
+        "--output-len", type=int, default=None, help="throughput workload: new tokens (64)"
+    )
+    bench.add_argument(
+        "--methods",
+        default="hf,hf-static,static,engine",
+        help="comma-separated, from: hf, hf-static, hf-cb, naive, kv-cache, static, engine",
+    )
     bench.add_argument("--baseline", default=None, help="method the speedups are relative to")
     bench.add_argument("--batch-size", type=int, default=16, help="rows per static batch")
     bench.add_argument("--json", default=None, help="also write the results here")

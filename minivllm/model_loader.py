@@ -137,7 +137,7 @@ def load_model(
     # real tensors are assigned from the checkpoint below (no random init thrown away).
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
-    state = _read_safetensors(path)
+    state = fuse_projections(_read_safetensors(path))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     state = {name: tensor.to(dtype=dtype, device=device) for name, tensor in state.items()}
@@ -152,6 +152,30 @@ def load_model(
     # Buffers (RoPE frequencies) are computed, not loaded: rebuild them on the real device.
     model.model.rotary_emb = RotaryEmbedding(config).to(device)
     return model.eval()
+
+
+# Checkpoint matrices that our model stores as one fused matrix, stacked in this order.
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Concatenate q/k/v (and gate/up) weights and biases of every layer along the output
+    dimension: y = x W^T for the stacked W gives the three outputs side by side."""
+    fused = dict(state)
+    for name in state:
+        for target, parts in FUSED_PROJECTIONS.items():
+            first = f".{parts[0]}."
+            if first not in name:
+                continue
+            names = [name.replace(first, f".{part}.") for part in parts]
+            if all(n in state for n in names):
+                fused[name.replace(first, f".{target}.")] = torch.cat([state[n] for n in names])
+                for n in names:
+                    fused.pop(n)
+    return fused
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:

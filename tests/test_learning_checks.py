@@ -44,12 +44,52 @@ def _decode_attention_without_mask(q, keys, values, seq_lens):
     return (weights[:, :, None, :] @ v)[:, :, 0, :]
 
 
+def _slot_mapping_without_block_size(block_table, block_size, start, end):
+    """Adds the offset to the block id instead of to the block's first slot."""
+    return [block_table[p // block_size] + p % block_size for p in range(start, end)]
+
+
+def _paged_attention_causal_from_the_top(q, kv, block_tables, seq_lens, query_lens):
+    """Gathers the right blocks but aligns the causal mask top-left: a chunk's first query
+    sees only key 0 instead of every cached token before it."""
+    out, start = [], 0
+    for table, seq_len, query_len in zip(block_tables, seq_lens, query_lens):
+        keys = kv[0, table].flatten(0, 1)[:seq_len].transpose(0, 1)
+        values = kv[1, table].flatten(0, 1)[:seq_len].transpose(0, 1)
+        queries = q[start : start + query_len].transpose(0, 1)
+        out.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                queries, keys, values, is_causal=True, enable_gqa=True
+            ).transpose(0, 1)
+        )
+        start += query_len
+    return torch.cat(out)
+
+
+def _schedule_step_seats_ignore_running(running, waiting, budget, max_num_seqs):
+    """Admits up to max_num_seqs waiting requests, forgetting the seats the running ones hold."""
+    got_running, got_waiting = [], []
+    for remaining in running:
+        grant = min(remaining, budget)
+        got_running.append(grant)
+        budget -= grant
+    for prompt_len in waiting:
+        seats_left = max_num_seqs - sum(g > 0 for g in got_waiting)
+        grant = min(prompt_len, budget) if seats_left > 0 else 0
+        got_waiting.append(grant)
+        budget -= grant
+    return got_running, got_waiting
+
+
 BROKEN = {
     "ch00.rms_norm": _layer_norm_instead_of_rms_norm,
     "ch00.rope": _rope_on_interleaved_pairs,
     "ch01.generate_without_cache": _generate_ignoring_eos,
     "ch02.kv_bytes_per_token": _kv_bytes_keys_only,
     "ch02.decode_attention": _decode_attention_without_mask,
+    "ch03.slot_mapping": _slot_mapping_without_block_size,
+    "ch03.paged_attention": _paged_attention_causal_from_the_top,
+    "ch04.schedule_step": _schedule_step_seats_ignore_running,
 }
 
 

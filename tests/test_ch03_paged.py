@@ -1,0 +1,381 @@
+"""Chapter 03 checks: paged KV blocks and paged attention.
+
+The block pool is checked as a state machine: hypothesis runs random sequences of allocations
+and frees and, after every step, checks the bookkeeping a learner can state in one line each
+(every block is either free or in exactly one block table, reference counts match, each table
+has exactly the blocks its tokens need). Paged attention is checked against the definition of
+attention: a plain float64 softmax over each sequence's own keys, whatever block size, block
+placement, chunk shape or head grouping.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from minivllm.attention import (
+    AttentionMetadata,
+    PagedKVCache,
+    TorchPagedAttention,
+    paged_attention,
+    write_kv,
+)
+from minivllm.block_manager import BlockPool, KVCacheManager
+from minivllm.config import ModelConfig
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """By definition: the fewest blocks of `block_size` slots that hold `num_tokens` tokens."""
+    return math.ceil(num_tokens / block_size)
+
+
+def attention_config(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8) -> ModelConfig:
+    """A model config with just the shapes the KV cache reads (the rest is never used)."""
+    return ModelConfig(
+        model_type="llama",
+        vocab_size=32,
+        hidden_size=num_heads * head_dim,
+        intermediate_size=16,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
+# --- the block pool as a state machine ------------------------------------------------------
+
+REQUEST_IDS = st.sampled_from(["a", "b", "c", "d", "e"])
+
+
+class BlockTableMachine(RuleBasedStateMachine):
+    """Random allocate/free sequences over a `KVCacheManager`, next to a model of what each
+    request should hold: just its number of tokens."""
+
+    @initialize(num_blocks=st.integers(1, 16), block_size=st.integers(1, 6))
+    def create_pool(self, num_blocks, block_size):
+        self.manager = KVCacheManager(num_blocks, block_size)
+        self.block_size = block_size
+        self.num_tokens: dict[str, int] = {}  # request id -> tokens it has room for
+
+    def snapshot(self):
+        """Everything the pool and the tables hold, to check that a refusal changes nothing."""
+        pool = self.manager.pool
+        return (
+            copy.deepcopy(self.manager.block_tables),
+            list(pool.free_queue),
+            list(pool.ref_counts),
+        )
+
+    def table(self, request_id: str) -> list[int]:
+        return self.manager.block_tables.get(request_id, [])
+
+    @rule(request_id=REQUEST_IDS, more_tokens=st.integers(0, 20))
+    def allocate(self, request_id, more_tokens):
+        """Ask room for `more_tokens` beyond what the request holds (a new one holds 0): granted
+        exactly when the extra blocks it needs are free; refused without changing anything."""
+        held = self.num_tokens.get(request_id, 0)
+        total = held + more_tokens
+        extra_blocks = blocks_for(total, self.block_size) - blocks_for(held, self.block_size)
+        fits = extra_blocks <= self.manager.num_free_blocks
+        before = self.snapshot()
+        granted = self.manager.allocate_slots(request_id, total)
+        assert granted == fits, f"{extra_blocks} blocks needed, {before[1]} free"
+        if granted:
+            self.num_tokens[request_id] = total
+        else:
+            assert self.snapshot() == before, "a refused allocation changed the pool"
+
+    @rule(request_id=REQUEST_IDS)
+    def free(self, request_id):
+        """Freeing a request returns all of its blocks; freeing an unknown (or already freed)
+        request gives nothing back twice."""
+        blocks = list(self.table(request_id))
+        free_before = self.manager.num_free_blocks
+        self.manager.free(request_id)
+        self.num_tokens.pop(request_id, None)
+        assert self.manager.num_free_blocks == free_before + len(blocks)
+        assert request_id not in self.manager.block_tables
+        assert set(blocks) <= set(self.manager.pool.free_queue)
+
+    @precondition(lambda self: self.manager.num_free_blocks > 0)
+    @rule(choice=st.integers(0, 1000))
+    def free_a_free_block(self, choice):
+        """Freeing a block nobody holds raises, and changes nothing."""
+        free_blocks = list(self.manager.pool.free_queue)
+        block = free_blocks[choice % len(free_blocks)]
+        before = self.snapshot()
+        with pytest.raises(ValueError):
+            self.manager.pool.free([block])
+        assert self.snapshot() == before
+
+    @invariant()
+    def every_block_is_free_or_in_exactly_one_table(self):
+        """free + used == total; no block in two tables; no block both free and in a table."""
+        pool = self.manager.pool
+        free = list(pool.free_queue)
+        in_tables = [b for table in self.manager.block_tables.values() for b in table]
+        assert len(set(in_tables)) == len(in_tables), f"a block is in two tables: {in_tables}"
+        assert not set(free) & set(in_tables), "a block is both free and in a table"
+        assert len(free) + len(in_tables) == pool.num_blocks, "free + used != total"
+        assert sorted(free + in_tables) == list(range(pool.num_blocks))
+        assert self.manager.num_free_blocks == len(free)
+        assert self.manager.usage == pytest.approx(len(in_tables) / pool.num_blocks)
+
+    @invariant()
+    def ref_counts_count_the_tables_holding_a_block(self):
+        """A block's ref count is the number of tables holding it: 0 when free, never negative."""
+        holders = Counter(b for table in self.manager.block_tables.values() for b in table)
+        ref_counts = self.manager.pool.ref_counts
+        assert all(count >= 0 for count in ref_counts)
+        assert [ref_counts[b] for b in range(self.manager.num_blocks)] == [
+            holders[b] for b in range(self.manager.num_blocks)
+        ]
+
+    @invariant()
+    def each_table_has_exactly_the_blocks_its_tokens_need(self):
+        """cdiv(tokens, block_size) blocks per request: never fewer (no room), never more (waste)."""
+        assert set(self.manager.block_tables) <= set(self.num_tokens)
+        for request_id, num_tokens in self.num_tokens.items():
+            assert len(self.table(request_id)) == blocks_for(num_tokens, self.block_size)
+
+
+TestBlockTables = BlockTableMachine.TestCase
+TestBlockTables.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_freeing_blocks_twice_raises():
+    """A block given back more often than it was handed out is a bookkeeping bug: it raises."""
+    pool = BlockPool(4)
+    blocks = pool.allocate(2)
+    pool.free(blocks)
+    assert pool.num_free_blocks == 4
+    with pytest.raises(ValueError, match="freed more often"):
+        pool.free(blocks[:1])
+    assert pool.num_free_blocks == 4 and pool.ref_counts == [0, 0, 0, 0]
+
+
+def test_allocating_more_blocks_than_free_raises():
+    """The pool never hands out a block it does not have."""
+    pool = BlockPool(3)
+    pool.allocate(2)
+    with pytest.raises(ValueError):
+        pool.allocate(2)
+    assert pool.num_free_blocks == 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    block_size=st.integers(1, 7),
+    growth=st.lists(st.sampled_from("abc"), min_size=1, max_size=60),
+    spare_blocks=st.integers(0, 3),
+)
+def test_slot_is_block_id_times_block_size_plus_offset(block_size, growth, spare_blocks):
+    """Requests grow one token at a time, interleaved, as when decoding; token p of a request sits
+    at slot table[p // block_size] * block_size + p % block_size, and no two tokens share a slot."""
+    num_tokens = Counter(growth)
+    num_blocks = sum(blocks_for(n, block_size) for n in num_tokens.values()) + spare_blocks
+    manager = KVCacheManager(num_blocks, block_size)
+    grown: Counter = Counter()
+    for request_id in growth:
+        grown[request_id] += 1
+        assert manager.allocate_slots(request_id, grown[request_id])
+
+    slots = []
+    for request_id, n in num_tokens.items():
+        table = manager.block_tables[request_id]
+        for position in range(n):
+            expected = table[position // block_size] * block_size + position % block_size
+            assert manager.slot(request_id, position) == expected
+            slots.append(expected)
+    assert len(set(slots)) == len(slots)
+    assert all(0 <= s < num_blocks * block_size for s in slots)
+
+
+def test_slot_of_the_chapter_picture():
+    """The chapter's example: with block table [2, 0, 3] and 16-slot blocks, token 17 is slot
+    0*16 + 1 = 1 and token 40 is slot 3*16 + 8 = 56."""
+    manager = KVCacheManager(num_blocks=4, block_size=16)
+    manager.block_tables["A"] = [2, 0, 3]
+    assert manager.slot("A", 0) == 32
+    assert manager.slot("A", 17) == 1
+    assert manager.slot("A", 40) == 56
+
+
+# --- paged attention == dense attention -----------------------------------------------------
+
+
+@st.composite
+def paged_batches(draw):
+    """A flat batch of sequences with random cached/new token counts, scattered over a pool."""
+    block_size = draw(st.sampled_from([1, 2, 3, 5, 8, 16]))
+    num_kv_heads = draw(st.integers(1, 3))
+    group = draw(st.integers(1, 3))  # query heads per KV head (GQA)
+    head_dim = draw(st.sampled_from([4, 8]))
+    # (tokens already cached, new tokens this step): 1 new token is a decode, more a prefill
+    # chunk, which starts mid-sequence when some tokens are already cached.
+    sequences = draw(
+        st.lists(
+            st.tuples(st.integers(0, 30), st.one_of(st.just(1), st.integers(2, 12))),
+            min_size=1,
+            max_size=5,
+        )
+    )
+    spare_blocks = draw(st.integers(0, 3))
+    num_blocks = sum(blocks_for(c + n, block_size) for c, n in sequences) + spare_blocks
+    physical = draw(st.permutations(range(num_blocks)))  # shuffled physical block ids
+    seed = draw(st.integers(0, 2**31 - 1))
+    return block_size, num_kv_heads, group, head_dim, sequences, physical, seed
+
+
+def dense_attention(q, keys, values, group: int) -> torch.Tensor:
+    """The definition, in float64: query i of a chunk of L new tokens in a sequence of S tokens
+    sits at position S - L + i and attends with softmax(q.k / sqrt(d)) to keys 0..S-L+i; query
+    head h reads KV head h // group."""
+    q, keys, values = q.double(), keys.double(), values.double()
+    num_queries, num_keys = q.shape[0], keys.shape[0]
+    keys = keys.repeat_interleave(group, dim=1)  # [S, heads, d]
+    values = values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) / math.sqrt(q.shape[-1])
+    query_positions = torch.arange(num_keys - num_queries, num_keys)
+    visible = torch.arange(num_keys)[None, :] <= query_positions[:, None]  # [L, S]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=paged_batches())
+def test_paged_attention_equals_dense_attention(batch):
+    """Whatever the block size, block placement, mix of decodes and prefill chunks, and GQA
+    grouping, attention read through block tables equals plain attention over each sequence."""
+    block_size, num_kv_heads, group, head_dim, sequences, physical, seed = batch
+    generator = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    config = attention_config(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    cache = PagedKVCache(config, len(physical), block_size, torch.float32, "cpu")
+    kv = cache.layers[0]
+    kv.copy_(10 * randn(*kv.shape))  # stale garbage everywhere: reading a wrong slot shows
+
+    tables, all_slots, keys, values, queries = [], [], [], [], []
+    new_slots, query_lens, seq_lens = [], [], []
+    next_block = 0
+    for cached, new in sequences:
+        seq_len = cached + new
+        num = blocks_for(seq_len, block_size)
+        table = list(physical[next_block : next_block + num])
+        next_block += num
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        tables.append(table)
+        all_slots += slots
+        new_slots += slots[cached:]
+        keys.append(randn(seq_len, num_kv_heads, head_dim))
+        values.append(randn(seq_len, num_kv_heads, head_dim))
+        queries.append(randn(new, num_heads, head_dim))
+        query_lens.append(new)
+        seq_lens.append(seq_len)
+
+    write_kv(kv, torch.cat(keys), torch.cat(values), torch.tensor(all_slots))
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, new_slots)
+    q = torch.cat(queries)
+    out = paged_attention(q, kv, metadata)
+
+    expected = torch.cat(
+        [dense_attention(qi, ki, vi, group) for qi, ki, vi in zip(queries, keys, values)]
+    )
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=paged_batches())
+def test_torch_backend_writes_new_tokens_then_attends(batch):
+    """The "torch" backend as the model calls it: only earlier steps' K/V are in the pool; it
+    writes this step's K/V at slot_mapping, then attends, matching dense attention."""
+    block_size, num_kv_heads, group, head_dim, sequences, physical, seed = batch
+    generator = torch.Generator().manual_seed(seed)
+    num_heads = num_kv_heads * group
+    config = attention_config(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    cache = PagedKVCache(config, len(physical), block_size, torch.float32, "cpu")
+    kv = cache.layers[0]
+    kv.copy_(10 * torch.randn(kv.shape, generator=generator))
+
+    tables, new_slots, query_lens, seq_lens = [], [], [], []
+    queries, keys, values, new_keys, new_values = [], [], [], [], []
+    next_block = 0
+    for cached, new in sequences:
+        seq_len = cached + new
+        num = blocks_for(seq_len, block_size)
+        table = list(physical[next_block : next_block + num])
+        next_block += num
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
+        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator)
+        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator)
+        if cached:  # what earlier steps wrote
+            write_kv(kv, k[:cached], v[:cached], torch.tensor(slots[:cached]))
+        tables.append(table)
+        new_slots += slots[cached:]
+        keys.append(k)
+        values.append(v)
+        new_keys.append(k[cached:])
+        new_values.append(v[cached:])
+        queries.append(torch.randn(new, num_heads, head_dim, generator=generator))
+        query_lens.append(new)
+        seq_lens.append(seq_len)
+
+    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, new_slots)
+    backend = TorchPagedAttention(cache, metadata)
+    out = backend(0, torch.cat(queries), torch.cat(new_keys), torch.cat(new_values))
+    expected = torch.cat(
+        [dense_attention(qi, ki, vi, group) for qi, ki, vi in zip(queries, keys, values)]
+    )
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+# --- how many blocks a memory budget holds --------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    num_layers=st.integers(1, 4),
+    num_kv_heads=st.integers(1, 4),
+    head_dim=st.sampled_from([2, 4, 8, 64]),
+    block_size=st.integers(1, 32),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    memory_bytes=st.integers(0, 2**20),
+)
+def test_num_blocks_for_budget_is_the_most_blocks_that_fit(
+    num_layers, num_kv_heads, head_dim, block_size, dtype, memory_bytes
+):
+    """A block holds K and V of block_size tokens for every layer and KV head; the budget gives
+    the largest whole number of such blocks that fits, and the pool really occupies that much."""
+    config = attention_config(
+        num_layers=num_layers, num_heads=num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim
+    )
+    element_size = torch.finfo(dtype).bits // 8
+    bytes_per_block = block_size * 2 * num_layers * num_kv_heads * head_dim * element_size
+    num_blocks = PagedKVCache.num_blocks_for_budget(config, block_size, dtype, memory_bytes)
+    assert num_blocks * bytes_per_block <= memory_bytes < (num_blocks + 1) * bytes_per_block
+    if num_blocks:
+        cache = PagedKVCache(config, num_blocks, block_size, dtype, "cpu")
+        allocated = sum(layer.numel() * layer.element_size() for layer in cache.layers)
+        assert allocated == num_blocks * bytes_per_block
