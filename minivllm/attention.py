@@ -99,7 +99,7 @@ class TorchPagedAttention:
     def __call__(self, layer_index: int, q, k, v) -> torch.Tensor:
         kv = self.kv_cache.layers[layer_index]
         write_kv(kv, k, v, self.metadata.slot_mapping)
-        return paged_attention(q, kv, self.metadata)
+        return paged_attention(q, kv, self.metadata, new_k=k, new_v=v)
 
 
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
@@ -110,16 +110,32 @@ def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
     kv[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def gather_kv(kv: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
-    """The first `length` tokens' K and V of one sequence, [length, heads, dim] each."""
+def gather_kv(kv: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """K and V of the first `length` tokens of sequences, copied out of their blocks.
+
+    `block_tables` is [num_seqs, num_blocks]; returns [2, num_seqs, length, heads, dim]. One
+    `index_select` fetches the blocks for K and V together, in block-table order, so that each
+    sequence's tokens come out contiguous and in position order.
+    """
+    num_seqs = block_tables.shape[0]
     num_kv_heads, head_dim = kv.shape[-2:]
-    keys = kv[0, block_table].reshape(-1, num_kv_heads, head_dim)[:length]
-    values = kv[1, block_table].reshape(-1, num_kv_heads, head_dim)[:length]
-    return keys, values
+    blocks = kv.index_select(1, block_tables.flatten())
+    return blocks.view(2, num_seqs, -1, num_kv_heads, head_dim)[:, :, :length]
 
 
-def paged_attention(q: torch.Tensor, kv: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-    """Attention of every new token over its own sequence's cached tokens, [tokens, heads, dim]."""
+def paged_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    metadata: AttentionMetadata,
+    new_k: torch.Tensor | None = None,
+    new_v: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of every new token over its own sequence's cached tokens, [tokens, heads, dim].
+
+    `new_k`/`new_v`, when given, are this step's keys and values (already written to the pool
+    `kv`): a sequence whose whole context is new this step reads them directly instead of
+    gathering them back out of its blocks.
+    """
     out = torch.empty_like(q)
     starts = _starts(metadata.query_lens_list)
     decode_seqs = [i for i, n in enumerate(metadata.query_lens_list) if n == 1]
@@ -129,10 +145,14 @@ def paged_attention(q: torch.Tensor, kv: torch.Tensor, metadata: AttentionMetada
     for i, query_len in enumerate(metadata.query_lens_list):
         if query_len > 1:
             start, seq_len = starts[i], metadata.seq_lens_list[i]
-            keys, values = gather_kv(kv, metadata.block_tables[i], seq_len)
-            out[start : start + query_len] = _prefill_attention(
-                q[start : start + query_len], keys, values
-            )
+            rows = slice(start, start + query_len)
+            if query_len == seq_len and new_k is not None:
+                keys, values = new_k[rows], new_v[rows]
+            else:
+                num_blocks = -(-seq_len // kv.shape[2])
+                table = metadata.block_tables[i : i + 1, :num_blocks]
+                keys, values = gather_kv(kv, table, seq_len)[:, 0]
+            out[rows] = _prefill_attention(q[rows], keys, values)
     return out
 
 
@@ -177,10 +197,7 @@ def _batched_decode_attention(
     longest = max(metadata.seq_lens_list[i] for i in seqs)
     block_size = kv.shape[2]
     num_blocks = -(-longest // block_size)
-    tables = metadata.block_tables[seqs, :num_blocks]  # [seqs, blocks]
-    num_kv_heads, head_dim = kv.shape[-2:]
-    keys = kv[0, tables].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :longest]
-    values = kv[1, tables].reshape(len(seqs), -1, num_kv_heads, head_dim)[:, :longest]
+    keys, values = gather_kv(kv, metadata.block_tables[seqs, :num_blocks], longest)
     slots = torch.arange(longest, device=q.device)
     mask = (slots[None, :] < seq_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, slots]
     out = F.scaled_dot_product_attention(

@@ -60,13 +60,24 @@ def check_slot_mapping(slot_mapping) -> None:
 
 
 def _our_paged_attention():
-    from minivllm.attention import AttentionMetadata, paged_attention
+    from types import SimpleNamespace
+
+    from minivllm.attention import AttentionMetadata, TorchPagedAttention
 
     def attend(q, kv, block_tables, seq_lens, query_lens):
-        metadata = AttentionMetadata.build(
-            query_lens, seq_lens, block_tables, slot_mapping=[0] * q.shape[0], device=q.device
-        )
-        return paged_attention(q, kv, metadata)
+        # The backend as the model calls it: this step's new K/V (here read back from the pool,
+        # where they already are) are written at their slots, then attended over.
+        block_size = kv.shape[2]
+        slots = [
+            table[p // block_size] * block_size + p % block_size
+            for table, n, m in zip(block_tables, seq_lens, query_lens)
+            for p in range(n - m, n)
+        ]
+        flat = kv.flatten(1, 2)  # [2, slots, kv_heads, head_dim]
+        k, v = flat[0, slots], flat[1, slots]
+        metadata = AttentionMetadata.build(query_lens, seq_lens, block_tables, slots, q.device)
+        cache = SimpleNamespace(layers=[kv.clone()])
+        return TorchPagedAttention(cache, metadata)(0, q, k, v)
 
     return attend
 
