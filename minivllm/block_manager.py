@@ -14,13 +14,16 @@ exactly like a page table maps virtual to physical memory pages.
 
 `BlockPool` owns the blocks (free queue, reference counts); `KVCacheManager` owns the block
 tables of the requests and answers the scheduler's one question: "can this request get room
-for n more tokens?"
+for n more tokens?" With prefix caching on (chapter 05, `prefix_cache.py`) it also finds the
+blocks a new request can share, and names every block that becomes full.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+
+from minivllm.prefix_cache import BlockHash, PrefixCache, hash_blocks
 
 
 def cdiv(a: int, b: int) -> int:
@@ -38,6 +41,7 @@ class BlockPool:
     """
 
     num_blocks: int
+    prefix_cache: PrefixCache | None = None
     ref_counts: list[int] = field(init=False)
     free_queue: OrderedDict[int, None] = field(init=False)
 
@@ -60,9 +64,19 @@ class BlockPool:
         blocks = []
         for _ in range(count):
             block_id, _ = self.free_queue.popitem(last=False)
+            if self.prefix_cache is not None:
+                self.prefix_cache.evict(block_id)  # its old content is about to be overwritten
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
+
+    def share(self, block_ids: list[int]) -> None:
+        """Add a reference to blocks found in the prefix cache. A cached block that nobody was
+        using sits in the free queue; taking it out keeps it from being evicted."""
+        for block_id in block_ids:
+            if self.ref_counts[block_id] == 0:
+                del self.free_queue[block_id]
+            self.ref_counts[block_id] += 1
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; a block nobody references returns to the queue.
@@ -80,12 +94,14 @@ class BlockPool:
 class KVCacheManager:
     """The block tables of all live requests, on top of a `BlockPool`."""
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.block_tables: dict[str, list[int]] = {}
+        self.block_hashes: dict[str, list[BlockHash]] = {}  # of each request's full blocks
 
     @property
     def num_blocks(self) -> int:
@@ -97,7 +113,8 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
-        """Share of the pool held by live requests (vLLM's kv_cache_usage)."""
+        """Share of the pool held by live requests (vLLM's kv_cache_usage). Free blocks that
+        still hold a cached prefix count as free: they can be reclaimed at any time."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def blocks_needed(self, request_id: str, num_tokens: int) -> int:
@@ -105,20 +122,57 @@ class KVCacheManager:
         have = len(self.block_tables.get(request_id, ()))
         return max(cdiv(num_tokens, self.block_size) - have, 0)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
-        """Make room for `num_tokens` tokens in total; False (and nothing changed) if the pool
-        cannot, so the scheduler can preempt someone or wait."""
-        needed = self.blocks_needed(request_id, num_tokens)
-        if needed > self.pool.num_free_blocks:
+    def find_cached_blocks(self, request) -> list[int]:
+        """The longest prefix of the request's full blocks that is already cached.
+
+        At least the last token is left out, so that the forward pass has a token to compute
+        and logits to sample from, even when the whole prompt is cached.
+        """
+        if self.prefix_cache is None:
+            return []
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        tokens = request.token_ids_between(0, max_blocks * self.block_size)
+        hashes = hash_blocks(tokens, self.block_size, request.cache_salt)
+        return self.prefix_cache.longest_cached_prefix(hashes)
+
+    def allocate_slots(
+        self, request_id: str, num_tokens: int, cached_blocks: list[int] = ()
+    ) -> bool:
+        """Make room for `num_tokens` tokens in total, starting a new request's table with the
+        `cached_blocks` it shares; False (and nothing changed) if the pool cannot, so the
+        scheduler can preempt someone or wait."""
+        table = self.block_tables.get(request_id, [])
+        needed = max(cdiv(num_tokens, self.block_size) - len(table) - len(cached_blocks), 0)
+        # Shared blocks that sit in the free queue leave it too.
+        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
+        if needed + revived > self.pool.num_free_blocks:
             return False
-        self.block_tables.setdefault(request_id, []).extend(self.pool.allocate(needed))
+        self.pool.share(list(cached_blocks))
+        self.block_tables[request_id] = table + list(cached_blocks) + self.pool.allocate(needed)
         return True
+
+    def cache_full_blocks(self, request) -> None:
+        """Name the request's blocks that are full of computed tokens, so others can find them."""
+        if self.prefix_cache is None:
+            return
+        hashes = self.block_hashes.setdefault(request.request_id, [])
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= len(hashes):
+            return
+        tokens = request.token_ids_between(0, num_full * self.block_size)
+        first_new = len(hashes)
+        parent = hashes[-1] if hashes else None
+        hashes += hash_blocks(tokens, self.block_size, request.cache_salt, parent, first_new)
+        table = self.block_tables[request.request_id]
+        for block_index in range(first_new, num_full):
+            self.prefix_cache.insert(hashes[block_index], table[block_index])
 
     def free(self, request_id: str) -> None:
         """Return a finished, aborted or preempted request's blocks to the pool."""
         blocks = self.block_tables.pop(request_id, [])
-        # Tail first: if chapter 05 keeps freed blocks findable, a sequence's last blocks are
-        # the least likely to be shared, so they should be the first to be reused.
+        self.block_hashes.pop(request_id, None)
+        # Tail first: with prefix caching, freed blocks stay findable until reused, and a
+        # sequence's last blocks are the least likely to be shared, so they go first.
         self.pool.free(list(reversed(blocks)))
 
     def slot(self, request_id: str, position: int) -> int:

@@ -30,6 +30,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
 
 
 ENGINE_ARG_NAMES = (
@@ -44,6 +47,7 @@ ENGINE_ARG_NAMES = (
     "gpu_memory_utilization",
     "scheduling_policy",
     "enable_chunked_prefill",
+    "enable_prefix_caching",
 )
 
 

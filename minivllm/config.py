@@ -161,6 +161,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     scheduling_policy: str = "fcfs"
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         _require_int("block_size", self.block_size, 1)

@@ -52,7 +52,9 @@ class LLMEngine:
         self.model_config = self.model.config
 
         num_blocks = self._num_kv_blocks()
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching
+        )
         self.kv_cache = PagedKVCache(
             self.model_config, num_blocks, config.block_size, self.dtype, self.device
         )
@@ -78,6 +80,7 @@ class LLMEngine:
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.last_step_prefix_cache = (0, 0)  # (queries, hits) of the last step
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -152,6 +155,7 @@ class LLMEngine:
                 index=index,
             )
             sequence.priority = priority
+            sequence.cache_salt = processed.cache_salt
             sequences.append(sequence)
         self.requests[request_id] = sequences
         for sequence in sequences:
@@ -174,7 +178,10 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling decision and one forward pass; outputs of requests that advanced."""
+        stats = self.scheduler.prefix_cache_stats
+        queries_before, hits_before = stats.queries, stats.hits
         scheduler_output = self.scheduler.schedule()
+        self.last_step_prefix_cache = (stats.queries - queries_before, stats.hits - hits_before)
         if not scheduler_output.scheduled:
             return []
         sampled = self.model_runner.execute(scheduler_output)
@@ -205,6 +212,7 @@ class LLMEngine:
             outputs=[s.completion_output() for s in sequences],
             finished=all(s.is_finished for s in sequences),
             metrics=first.metrics,
+            num_cached_tokens=first.num_cached_tokens,
         )
 
     # --- metrics ---
@@ -212,38 +220,31 @@ class LLMEngine:
     def get_metrics(self) -> list[Metric]:
         scheduler = self.scheduler
         usage = self.kv_cache_manager.usage if scheduler.running else 0.0
-        return [
-            Metric(
+        cache = scheduler.prefix_cache_stats
+        step_queries, step_hits = self.last_step_prefix_cache
+        rows = [
+            (
                 "vllm:kv_cache_usage_perc",
                 "gauge",
                 usage,
                 "Share of KV blocks held by live requests",
             ),
-            Metric(
-                "vllm:num_requests_running",
+            ("vllm:num_requests_running", "gauge", len(scheduler.running), "Requests running"),
+            ("vllm:num_requests_waiting", "gauge", len(scheduler.waiting), "Requests waiting"),
+            ("vllm:num_preemptions", "counter", scheduler.num_preemptions, "Preemptions so far"),
+            ("vllm:prompt_tokens", "counter", self.num_prompt_tokens, "Prompt tokens processed"),
+            ("vllm:generation_tokens", "counter", self.num_generation_tokens, "Generated tokens"),
+            ("vllm:prefix_cache_queries", "counter", cache.queries, "Prompt tokens looked up"),
+            ("vllm:prefix_cache_hits", "counter", cache.hits, "Prompt tokens found cached"),
+            ("minivllm:prefix_cache_hit_rate", "gauge", cache.hit_rate, "hits / queries, so far"),
+            (
+                "minivllm:prefix_cache_hit_rate_last_step",
                 "gauge",
-                len(scheduler.running),
-                "Requests in the running batch",
-            ),
-            Metric(
-                "vllm:num_requests_waiting",
-                "gauge",
-                len(scheduler.waiting),
-                "Requests waiting to be scheduled",
-            ),
-            Metric(
-                "vllm:num_preemptions", "counter", scheduler.num_preemptions, "Preemptions so far"
-            ),
-            Metric(
-                "vllm:prompt_tokens",
-                "counter",
-                self.num_prompt_tokens,
-                "Prompt tokens of requests that produced a token",
-            ),
-            Metric(
-                "vllm:generation_tokens", "counter", self.num_generation_tokens, "Generated tokens"
+                step_hits / step_queries if step_queries else 0.0,
+                "hits / queries of the requests admitted in the last step",
             ),
         ]
+        return [Metric(*row) for row in rows]
 
 
 def eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:

@@ -32,7 +32,8 @@ class LLM:
     Arguments are vLLM's: `model` (a local Hugging Face directory; default: the embedded
     SmolLM2-135M-Instruct), `dtype`, `device`, `seed`, `block_size`, `max_num_seqs`,
     `max_num_batched_tokens`, `max_model_len`, `kv_cache_memory_bytes`,
-    `gpu_memory_utilization`, `scheduling_policy`, `enable_chunked_prefill`.
+    `gpu_memory_utilization`, `scheduling_policy`, `enable_chunked_prefill`,
+    `enable_prefix_caching`.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         scheduling_policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
     ):
         config = EngineConfig(
             model=None if model is None else str(model),
@@ -64,6 +66,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             scheduling_policy=scheduling_policy,
             enable_chunked_prefill=enable_chunked_prefill,
+            enable_prefix_caching=enable_prefix_caching,
         )
         self.llm_engine = LLMEngine.from_config(config)
         self._request_counter = itertools.count()
@@ -115,7 +118,11 @@ class LLM:
         ):
             self.llm_engine.add_request(
                 request_id,
-                {"prompt": prompt.text, "prompt_token_ids": prompt.token_ids},
+                {
+                    "prompt": prompt.text,
+                    "prompt_token_ids": prompt.token_ids,
+                    "cache_salt": prompt.cache_salt,
+                },
                 params,
                 priority=prio,
             )

@@ -62,4 +62,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_logprobs: None = field(default=None, repr=False)

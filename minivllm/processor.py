@@ -20,6 +20,7 @@ PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': list[int]}"
 class ProcessedPrompt:
     text: str | None  # None when the user gave token ids
     token_ids: list[int]
+    cache_salt: str | None = None  # prefix caching: only requests with the same salt share
 
 
 @dataclass
@@ -45,12 +46,15 @@ class Processor:
             text, token_ids = prompt["prompt"], self._encode(prompt["prompt"])
         else:
             raise TypeError(f"a prompt must be {PROMPT_FORMS}; got {type(prompt).__name__}")
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"the prompt is {len(token_ids)} tokens long, but the model's context is "
                 f"{self.max_model_len} tokens (including at least one generated token)"
             )
-        return ProcessedPrompt(text, token_ids)
+        return ProcessedPrompt(text, token_ids, cache_salt)
 
     def check_fits(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         """Prompt plus max_tokens must fit in the context."""

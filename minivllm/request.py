@@ -50,6 +50,9 @@ class Request:
     num_computed_tokens: int = 0
     priority: int = 0  # with the "priority" policy, lower runs first (vLLM's convention)
     num_preemptions: int = 0
+    # Prefix caching (chapter 05): requests with different salts never share KV blocks.
+    cache_salt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
 
     @classmethod
     def create(

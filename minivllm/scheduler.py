@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from minivllm.block_manager import KVCacheManager
+from minivllm.prefix_cache import PrefixCacheStats
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling import TokenLogprobs
 
@@ -66,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_cache_stats = PrefixCacheStats()  # cumulative, in prompt tokens
         self._arrival_order: dict[str, int] = {}
 
     def add_request(self, request: Request) -> None:
@@ -108,13 +110,21 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self._next_waiting()
-            num_new = request.num_tokens - request.num_computed_tokens
+            # Chapter 05: blocks another request already computed are shared, not recomputed.
+            cached_blocks = self.kv_cache_manager.find_cached_blocks(request)
+            num_cached = len(cached_blocks) * self.kv_cache_manager.block_size
+            num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            total = request.num_computed_tokens + num_new
-            if not self.kv_cache_manager.allocate_slots(request.request_id, total):
+            total = num_cached + num_new
+            if not self.kv_cache_manager.allocate_slots(request.request_id, total, cached_blocks):
                 break
+            request.num_computed_tokens = num_cached
+            self.prefix_cache_stats.queries += request.num_tokens
+            self.prefix_cache_stats.hits += num_cached
+            if request.metrics.first_scheduled_time is None:
+                request.num_cached_tokens = num_cached
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
@@ -138,6 +148,7 @@ class Scheduler:
         for scheduled in output.scheduled:
             request = scheduled.request
             request.num_computed_tokens += scheduled.num_new_tokens
+            self.kv_cache_manager.cache_full_blocks(request)
             if request.request_id not in sampled:
                 continue  # a prefill chunk that did not reach the end of the prompt
             token_id, token_logprobs = sampled[request.request_id]
