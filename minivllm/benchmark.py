@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -38,8 +39,8 @@ class BenchmarkContext:
     tokenizer: object
     dtype: torch.dtype
     batch_size: int = 16  # rows per static batch
-    engine_args: dict = field(default_factory=dict)  # extra LLM(...) arguments for "engine"
-    llm: object = field(default=None, repr=False)
+    engine_args: dict = field(default_factory=dict)  # extra LLM(...) arguments for engines
+    engines: dict = field(default_factory=dict, repr=False)  # method name -> its LLM
     _hf_model: object = field(default=None, repr=False)
 
     @classmethod
@@ -70,11 +71,20 @@ class BenchmarkContext:
 
 
 @dataclass
+class MethodOutput:
+    """What a method produced: tokens per request, and for our engine a few extras."""
+
+    token_ids: list[list[int]]
+    ttft_s: list[float] | None = None  # time to first token per request (engine only)
+    prompt_tokens_computed: int | None = None  # prompt tokens not served by the prefix cache
+
+
+@dataclass
 class Method:
     name: str
     label: str
     chapter: int
-    run: Callable[[BenchmarkContext, Workload], list[list[int]]]  # -> generated ids per request
+    run: Callable[[BenchmarkContext, Workload], list[list[int]] | MethodOutput]
     # Untimed preparation (building an engine, a warm-up pass) before `run` is timed.
     setup: Callable[[BenchmarkContext, Workload], None] | None = None
 
@@ -89,6 +99,8 @@ class MethodResult:
     prompt_tokens: int
     output_tokens: int
     same_tokens_as_first: float  # share of requests whose tokens equal the first method's
+    median_ttft_s: float | None = None
+    prompt_tokens_computed: int | None = None
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -185,23 +197,34 @@ def _run_static_batches(
     return [r.output_token_ids for r in requests]
 
 
-def _setup_engine(ctx: BenchmarkContext, workload: Workload) -> None:
-    """Build the engine once (untimed) and warm it up with one short request."""
-    from minivllm.llm import LLM
+def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method:
+    """Our engine, built once per method (untimed) with `engine_args` on top of the context's."""
 
-    if ctx.llm is None:
-        ctx.llm = LLM(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, **ctx.engine_args)
-    ctx.llm.generate(
-        [{"prompt_token_ids": workload.prompts[0][:8]}],
-        SamplingParams(max_tokens=2),
-        use_tqdm=False,
-    )
+    def setup(ctx: BenchmarkContext, workload: Workload) -> None:
+        from minivllm.llm import LLM
 
+        if name not in ctx.engines:
+            args = ctx.engine_args | engine_args
+            ctx.engines[name] = LLM(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, **args)
+        warm_up = [{"prompt_token_ids": [1, 2, 3, 4]}]  # shares no block with the workload
+        ctx.engines[name].generate(warm_up, SamplingParams(max_tokens=2), use_tqdm=False)
 
-def _run_engine(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
-    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    outputs = ctx.llm.generate(prompts, _greedy_params(workload), use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
+    def run(ctx: BenchmarkContext, workload: Workload) -> MethodOutput:
+        llm = ctx.engines[name]
+        params = _greedy_params(workload)
+        outputs = []
+        for wave in workload.waves():
+            prompts = [{"prompt_token_ids": workload.prompts[i]} for i in wave]
+            outputs += llm.generate(prompts, [params[i] for i in wave], use_tqdm=False)
+        return MethodOutput(
+            token_ids=[o.outputs[0].token_ids for o in outputs],
+            ttft_s=[o.metrics.time_to_first_token for o in outputs],
+            prompt_tokens_computed=sum(
+                len(o.prompt_token_ids) - o.num_cached_tokens for o in outputs
+            ),
+        )
+
+    return Method(name, label, chapter, run, setup)
 
 
 METHODS: dict[str, Method] = {
@@ -228,7 +251,13 @@ METHODS: dict[str, Method] = {
             2,
             lambda ctx, w: _run_static_batches(ctx, w, batch_size=ctx.batch_size),
         ),
-        Method("engine", "paged continuous batching (ch04)", 4, _run_engine, setup=_setup_engine),
+        _engine_method(
+            "engine-no-prefix-cache",
+            "continuous batching, no prefix cache (ch04)",
+            4,
+            enable_prefix_caching=False,
+        ),
+        _engine_method("engine", "paged continuous batching + prefix cache (ch05)", 5),
     )
 }
 
@@ -246,8 +275,11 @@ def run_benchmark(
         if method.setup is not None:
             method.setup(ctx, workload)
         start = time.perf_counter()
-        outputs = method.run(ctx, workload)
+        output = method.run(ctx, workload)
         seconds = time.perf_counter() - start
+        if not isinstance(output, MethodOutput):
+            output = MethodOutput(output)
+        outputs = output.token_ids
         first_outputs = first_outputs or outputs
         same = sum(a == b for a, b in zip(outputs, first_outputs)) / workload.num_requests
         results.append(
@@ -260,24 +292,30 @@ def run_benchmark(
                 prompt_tokens=workload.num_prompt_tokens,
                 output_tokens=sum(len(o) for o in outputs),
                 same_tokens_as_first=same,
+                median_ttft_s=statistics.median(output.ttft_s) if output.ttft_s else None,
+                prompt_tokens_computed=output.prompt_tokens_computed,
             )
         )
     return results
 
 
 def format_table(results: list[MethodResult], baseline: str | None = None) -> str:
-    """A plain-text table: time, output tokens/s, speedup over the baseline method."""
+    """A plain-text table: time, output tokens/s, speedup over the baseline method, and for
+    our engine the median time to first token and the prompt tokens it computed."""
     base = next((r for r in results if r.method == baseline), results[0])
     lines = [
-        f"{'method':<38} {'seconds':>8} {'out tok/s':>10} {'req/s':>7} {'speedup':>8} {'same tokens':>11}",
+        f"{'method':<48} {'seconds':>8} {'out tok/s':>10} {'speedup':>8} {'same tokens':>11}"
+        f" {'TTFT p50':>9} {'prefill tok':>11}"
     ]
     for r in results:
         speedup = r.output_tokens_per_s / base.output_tokens_per_s
+        ttft = "" if r.median_ttft_s is None else f"{r.median_ttft_s:.2f}s"
+        prefill = "" if r.prompt_tokens_computed is None else str(r.prompt_tokens_computed)
         lines.append(
-            f"{r.label:<38} {r.seconds:>8.2f} {r.output_tokens_per_s:>10.1f} "
-            f"{r.requests_per_s:>7.2f} {speedup:>7.1f}x {r.same_tokens_as_first:>10.0%}"
+            f"{r.label:<48} {r.seconds:>8.2f} {r.output_tokens_per_s:>10.1f} {speedup:>7.2f}x"
+            f" {r.same_tokens_as_first:>10.0%} {ttft:>9} {prefill:>11}"
         )
-    lines.append(f"(speedup relative to: {base.label})")
+    lines.append(f"(speedup relative to: {base.label}; prompt tokens in all: {base.prompt_tokens})")
     return "\n".join(lines)
 
 

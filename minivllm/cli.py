@@ -106,7 +106,7 @@ def cmd_bench(args) -> None:
         write_json,
     )
     from minivllm.config import resolve_device, resolve_dtype
-    from minivllm.workloads import throughput_workload, varied_output_workload
+    from minivllm.workloads import make_workload
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -114,13 +114,7 @@ def cmd_bench(args) -> None:
     ctx.engine_args = {
         name: getattr(args, name) for name in ENGINE_ARG_NAMES if name not in ("dtype", "device")
     }
-    if args.workload == "throughput":
-        output_length = 64 if args.output_len is None else args.output_len
-        workload = throughput_workload(
-            ctx.tokenizer, args.num_requests, output_length=output_length
-        )
-    else:
-        workload = varied_output_workload(ctx.tokenizer, args.num_requests)
+    workload = make_workload(args.workload, ctx.tokenizer, args.num_requests, args.output_len)
     print(f"workload: {workload.description}; {device_label()}; dtype: {dtype}")
     results = run_benchmark(ctx, workload, args.methods.split(","))
     print(format_table(results, baseline=args.baseline))
@@ -152,15 +146,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser("bench", help="compare generation methods side by side")
     _add_engine_args(bench)
-    bench.add_argument("--workload", default="throughput", choices=["throughput", "varied-output"])
+    bench.add_argument(
+        "--workload",
+        default="throughput",
+        choices=["throughput", "varied-output", "shared-prefix", "multi-turn"],
+    )
     bench.add_argument("--num-requests", type=int, default=64)
     bench.add_argument(
-        "--output-len", type=int, default=None, help="throughput workload: new tokens (64)"
+        "--output-len",
+        type=int,
+        default=None,
+        help="new tokens per request (throughput: 64, shared-prefix/multi-turn: 16)",
     )
     bench.add_argument(
         "--methods",
         default="hf,hf-static,static,engine",
-        help="comma-separated, from: hf, hf-static, hf-cb, naive, kv-cache, static, engine",
+        help="comma-separated, from: hf, hf-static, hf-cb, naive, kv-cache, static, "
+        "engine-no-prefix-cache, engine",
     )
     bench.add_argument("--baseline", default=None, help="method the speedups are relative to")
     bench.add_argument("--batch-size", type=int, default=16, help="rows per static batch")

@@ -29,6 +29,16 @@ class Workload:
     prompts: list[list[int]]  # token ids of each request's prompt
     output_lengths: list[int]  # tokens to generate per request (exactly, with ignore_eos)
     description: str
+    # Requests are submitted in this many equal waves, each after the previous one finished
+    # (the turns of a conversation); 1 = all at once.
+    num_waves: int = 1
+
+    def waves(self) -> list[range]:
+        """Index ranges of the requests of each wave."""
+        size = -(-self.num_requests // self.num_waves)
+        return [
+            range(i, min(i + size, self.num_requests)) for i in range(0, self.num_requests, size)
+        ]
 
     @property
     def num_requests(self) -> int:
@@ -115,4 +125,85 @@ def varied_output_workload(
             f"{num_requests} chat requests, prompts {prompt_lengths[0]}-{prompt_lengths[1]} "
             f"tokens, outputs {low}-{high} tokens"
         ),
+    )
+
+
+def shared_prefix_workload(
+    tokenizer,
+    num_requests: int = 64,
+    system_prompt_length: int = 1000,
+    output_length: int = 16,
+    seed: int = 0,
+) -> Workload:
+    """Many requests that share one long system prompt and differ in a short question: the
+    case prefix caching is for (chapter 05)."""
+    rng = random.Random(seed)
+    system = " ".join(rng.choice(_WORDS) for _ in range(system_prompt_length))
+    system_ids = tokenizer.encode(system, add_special_tokens=False)[: system_prompt_length - 10]
+    system = tokenizer.decode(system_ids)
+    prompts = []
+    for i in range(num_requests):
+        question = f"Question {i}: " + " ".join(rng.choice(_WORDS) for _ in range(12)) + "?"
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        prompts.append(apply_chat_template(tokenizer, messages))
+    return Workload(
+        name="shared-prefix",
+        prompts=prompts,
+        output_lengths=[output_length] * num_requests,
+        description=(
+            f"{num_requests} chat requests sharing a {system_prompt_length}-token system prompt, "
+            f"short distinct questions, {output_length} new tokens each"
+        ),
+    )
+
+
+def multi_turn_workload(
+    tokenizer,
+    num_conversations: int = 8,
+    num_turns: int = 4,
+    output_length: int = 16,
+    seed: int = 0,
+) -> Workload:
+    """Conversations that grow turn by turn: each request resends the whole history so far.
+
+    The assistant turns are fixed text (not generated), so the workload is known in advance;
+    run the requests in order, turn by turn, for the cache to see each history again.
+    """
+    rng = random.Random(seed)
+    prompts = []
+    histories = [[] for _ in range(num_conversations)]
+    for _turn in range(num_turns):
+        for history in histories:
+            question = " ".join(rng.choice(_WORDS) for _ in range(30)) + "?"
+            history.append({"role": "user", "content": question})
+            prompts.append(apply_chat_template(tokenizer, history))
+            answer = " ".join(rng.choice(_WORDS) for _ in range(output_length))
+            history.append({"role": "assistant", "content": answer})
+    return Workload(
+        name="multi-turn",
+        prompts=prompts,
+        output_lengths=[output_length] * len(prompts),
+        description=(
+            f"{num_conversations} conversations x {num_turns} turns, each turn resending the "
+            f"history, {output_length} new tokens each"
+        ),
+        num_waves=num_turns,
+    )
+
+
+def make_workload(name: str, tokenizer, num_requests: int, output_length: int | None = None):
+    """A shared workload by name, as `minivllm bench --workload` names them."""
+    if name == "throughput":
+        return throughput_workload(tokenizer, num_requests, output_length=output_length or 64)
+    if name == "varied-output":
+        return varied_output_workload(tokenizer, num_requests)
+    if name == "shared-prefix":
+        return shared_prefix_workload(tokenizer, num_requests, output_length=output_length or 16)
+    if name == "multi-turn":
+        turns = 4
+        return multi_turn_workload(
+            tokenizer, max(num_requests // turns, 1), turns, output_length=output_length or 16
+        )
+    raise ValueError(
+        f"unknown workload {name!r}; choose throughput, varied-output, shared-prefix, multi-turn"
     )

@@ -64,6 +64,7 @@ def tiny_engine(model_dir, num_blocks=64, block_size=4, **kwargs) -> LLMEngine:
         )
     )
     assert engine.kv_cache_manager.num_blocks == num_blocks
+    limit_steps(engine)
     return engine
 
 
@@ -80,16 +81,14 @@ def metrics(engine: LLMEngine) -> dict[str, float]:
     return {m.name: m.value for m in engine.get_metrics()}
 
 
-def run_to_completion(engine: LLMEngine, max_steps: int = 5000) -> dict:
+def run_to_completion(engine: LLMEngine) -> dict:
     """Step until no request is left; request id -> its final RequestOutput."""
     finished = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            return finished
+    while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
-    raise AssertionError(f"requests still unfinished after {max_steps} steps")
+    return finished
 
 
 def assert_pool_is_empty(engine: LLMEngine) -> None:
@@ -99,6 +98,26 @@ def assert_pool_is_empty(engine: LLMEngine) -> None:
     assert manager.block_tables == {}
     assert manager.num_free_blocks == manager.num_blocks
     assert all(count == 0 for count in manager.pool.ref_counts)
+
+
+def limit_steps(engine: LLMEngine, max_steps: int = 5000) -> None:
+    """Make a run fail, instead of looping forever, if the engine stops making progress."""
+    step, count = engine.step, [0]
+
+    def counted_step():
+        count[0] += 1
+        if count[0] > max_steps:
+            raise AssertionError(f"requests still unfinished after {max_steps} steps")
+        return step()
+
+    engine.step = counted_step
+
+
+def bounded_llm(**kwargs) -> LLM:
+    """`LLM(**kwargs)` whose generate fails after too many steps (a livelock) instead of hanging."""
+    llm = LLM(**kwargs)
+    limit_steps(llm.llm_engine)
+    return llm
 
 
 class ScheduleLog:
@@ -187,7 +206,7 @@ def test_mixed_prompt_lengths_equal_transformers(
     """Chat prompts of 32 to 122 tokens with different limits, run together (and, with two seats
     and a 48-token budget, joining as others finish while the long prompt is chunked), give each
     prompt exactly transformers' greedy tokens for it alone, EOS stops included."""
-    llm = LLM(kv_cache_memory_bytes=64 * 2**20, **engine_args)  # ~1400 tokens of KV
+    llm = bounded_llm(kv_cache_memory_bytes=64 * 2**20, **engine_args)  # ~1400 KV tokens
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in chat_prompts],
         [greedy(limit) for limit in MIXED_MAX_TOKENS],
@@ -212,7 +231,7 @@ def test_block_sizes_equal_transformers(
     """The block size only changes where K/V live: one-token blocks, a non-power of two and the
     default 16 all give transformers' tokens."""
     model_dir = tiny_model_dirs[family]
-    llm = LLM(
+    llm = bounded_llm(
         model=str(model_dir),
         block_size=block_size,
         kv_cache_memory_bytes=pool_bytes(model_dir, blocks_for(1024, block_size), block_size),
@@ -228,7 +247,7 @@ def test_block_sizes_equal_transformers(
 def test_chunked_prefill_equals_transformers(tiny_dir, tiny_prompts, tiny_greedy):
     """With a 7-token budget, prompts are split over many steps, each chunk continuing where the
     last stopped, next to other requests' decodes; the tokens do not change."""
-    llm = LLM(model=str(tiny_dir), max_num_batched_tokens=7, kv_cache_memory_bytes=2**20)
+    llm = bounded_llm(model=str(tiny_dir), max_num_batched_tokens=7, kv_cache_memory_bytes=2**20)
     log = ScheduleLog(llm.llm_engine)
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in tiny_prompts],
@@ -253,7 +272,7 @@ def test_chunked_prefill_equals_transformers(tiny_dir, tiny_prompts, tiny_greedy
 def test_preemption_recomputes_the_same_tokens(tiny_dir, tiny_prompts, tiny_greedy):
     """A pool of 36 four-token blocks cannot hold all requests at once: the newest running ones
     are preempted (their blocks freed) and later recomputed from scratch, with the same tokens."""
-    llm = LLM(
+    llm = bounded_llm(
         model=str(tiny_dir), block_size=4, kv_cache_memory_bytes=pool_bytes(tiny_dir, 36, 4)
     )
     max_tokens = [16] * len(tiny_prompts)
@@ -270,10 +289,9 @@ def test_preemption_recomputes_the_same_tokens(tiny_dir, tiny_prompts, tiny_gree
 def test_priority_policy_gives_the_same_tokens(tiny_dir, tiny_prompts, tiny_greedy):
     """With scheduling_policy="priority" (and a pool small enough to preempt by priority), the
     order of work changes and the tokens do not."""
-    llm = LLM(
+    llm = bounded_llm(
         model=str(tiny_dir),
         block_size=4,
-        max_num_seqs=3,
         scheduling_policy="priority",
         kv_cache_memory_bytes=pool_bytes(tiny_dir, 36, 4),
     )
@@ -283,6 +301,7 @@ def test_priority_policy_gives_the_same_tokens(tiny_dir, tiny_prompts, tiny_gree
         priority=[3, 0, 2, 1, 0, 5, 1],
         use_tqdm=False,
     )
+    assert metrics(llm.llm_engine)["vllm:num_preemptions"] > 0
     assert_equals_transformers(outputs, tiny_prompts, TINY_MAX_TOKENS, tiny_greedy)
     assert_pool_is_empty(llm.llm_engine)
 
@@ -290,7 +309,7 @@ def test_priority_policy_gives_the_same_tokens(tiny_dir, tiny_prompts, tiny_gree
 def test_priority_policy_runs_lowest_value_first(tiny_dir):
     """With one seat, requests queued together start in order of priority (lower first), equal
     priorities in arrival order."""
-    llm = LLM(
+    llm = bounded_llm(
         model=str(tiny_dir),
         max_num_seqs=1,
         scheduling_policy="priority",
@@ -389,17 +408,15 @@ def test_scheduler_invariants_on_random_request_streams(stream, seed, tiny, tiny
     prompts = [random_prompt(length, seed + i) for i, (_, length, _) in enumerate(requests)]
     finished = {}
     pending = list(range(len(requests)))
-    for step in range(3000):
+    step = 0
+    while pending or engine.has_unfinished_requests():
         while pending and requests[pending[0]][0] <= step:
             i = pending.pop(0)
             engine.add_request(str(i), {"prompt_token_ids": prompts[i]}, greedy(requests[i][2]))
-        if not pending and not engine.has_unfinished_requests():
-            break
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
-    else:
-        raise AssertionError("the requests did not finish in 3000 steps")
+        step += 1
 
     for scheduled, running in zip(log.steps, log.running_sizes, strict=True):
         assert sum(e["new"] for e in scheduled) <= budget
@@ -470,7 +487,9 @@ def test_abort_while_waiting_mid_prefill_and_mid_decode(tiny_dir, tiny_greedy):
     assert seen == {"keep-1", "keep-2"} == set(finished)
     for rid in finished:
         assert finished[rid].outputs[0].token_ids == tiny_greedy(prompts[rid], limits[rid])
-    assert all(sequence[rid].finish_reason == "abort" for rid in ("waiting", "prefilling", "decoding"))
+    assert all(
+        sequence[rid].finish_reason == "abort" for rid in ("waiting", "prefilling", "decoding")
+    )
     assert_pool_is_empty(engine)
     assert engine.requests == {}
 
