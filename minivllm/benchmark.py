@@ -16,7 +16,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -39,6 +39,7 @@ class BenchmarkContext:
     tokenizer: object
     dtype: torch.dtype
     batch_size: int = 16  # rows per static batch
+    hf_cb_max_batch_tokens: int | None = None  # generate_batch's budget (None: its default)
     engine_args: dict = field(default_factory=dict)  # extra LLM(...) arguments for engines
     engines: dict = field(default_factory=dict, repr=False)  # method name -> its LLM
     _hf_model: object = field(default=None, repr=False)
@@ -145,6 +146,7 @@ def _run_transformers_static_batches(ctx: BenchmarkContext, workload: Workload) 
 def _run_transformers_generate_batch(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
     """transformers' own continuous batching (`generate_batch`, paged KV cache)."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     if len(set(workload.output_lengths)) != 1:
         raise ValueError("generate_batch takes one max_new_tokens for all requests")
@@ -154,7 +156,10 @@ def _run_transformers_generate_batch(ctx: BenchmarkContext, workload: Workload) 
         eos_token_id=None,
         pad_token_id=0,
     )
-    results = ctx.hf_model.generate_batch(workload.prompts, generation_config=config)
+    batching = ContinuousBatchingConfig(max_batch_tokens=ctx.hf_cb_max_batch_tokens)
+    results = ctx.hf_model.generate_batch(
+        workload.prompts, generation_config=config, continuous_batching_config=batching
+    )
     return [results[f"req_{i}"].generated_tokens for i in range(workload.num_requests)]
 
 
@@ -265,13 +270,23 @@ METHODS: dict[str, Method] = {
 def run_benchmark(
     ctx: BenchmarkContext, workload: Workload, method_names: list[str]
 ) -> list[MethodResult]:
-    """Run each method on the workload, in order, and time it."""
-    unknown = [name for name in method_names if name not in METHODS]
+    """Run each method on the workload, in order, and time it.
+
+    A batched method can be given a batch size after a colon ("hf-static:64"); for "hf-cb"
+    the number is generate_batch's token budget per step.
+    """
+    unknown = [name for name in method_names if name.partition(":")[0] not in METHODS]
     if unknown:
         raise ValueError(f"unknown benchmark methods {unknown}; choose from {list(METHODS)}")
     results, first_outputs = [], None
     for name in method_names:
-        method = METHODS[name]
+        method, setting = METHODS[name.partition(":")[0]], name.partition(":")[2]
+        if setting:
+            if method.name == "hf-cb":
+                ctx.hf_cb_max_batch_tokens = int(setting)
+            else:
+                ctx.batch_size = int(setting)
+            method = replace(method, name=name, label=f"{method.label} [{setting}]")
         if method.setup is not None:
             method.setup(ctx, workload)
         start = time.perf_counter()

@@ -295,14 +295,15 @@ def test_priority_policy_gives_the_same_tokens(tiny_dir, tiny_prompts, tiny_gree
         scheduling_policy="priority",
         kv_cache_memory_bytes=pool_bytes(tiny_dir, 36, 4),
     )
+    max_tokens = [16] * len(tiny_prompts)
     outputs = llm.generate(
         [{"prompt_token_ids": p} for p in tiny_prompts],
-        [greedy(limit) for limit in TINY_MAX_TOKENS],
+        [greedy(limit) for limit in max_tokens],
         priority=[3, 0, 2, 1, 0, 5, 1],
         use_tqdm=False,
     )
     assert metrics(llm.llm_engine)["vllm:num_preemptions"] > 0
-    assert_equals_transformers(outputs, tiny_prompts, TINY_MAX_TOKENS, tiny_greedy)
+    assert_equals_transformers(outputs, tiny_prompts, max_tokens, tiny_greedy)
     assert_pool_is_empty(llm.llm_engine)
 
 

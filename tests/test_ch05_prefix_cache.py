@@ -325,7 +325,6 @@ def test_a_hit_on_a_free_cached_block_takes_it_out_of_the_free_queue():
     assert not set(a_blocks[:2]) & set(free_queue(manager))
     assert manager.num_free_blocks == 3  # 6 - a0 - a1 - one new block for token 9
 
-    other = FakeRequest("other", [0] * 6)
     assert manager.allocate_slots("other", 6)  # everything left: a2 is evicted, a0 a1 are not
     assert not set(manager.block_tables["other"]) & set(a_blocks[:2])
     assert manager.find_cached_blocks(FakeRequest("probe", a.tokens + [0])) == a_blocks[:2]

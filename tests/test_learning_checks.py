@@ -81,6 +81,28 @@ def _schedule_step_seats_ignore_running(running, waiting, budget, max_num_seqs):
     return got_running, got_waiting
 
 
+def _block_hashes_without_chain(token_ids, block_size, salt):
+    """Hashes each block's own tokens (and the salt), forgetting the blocks before it: two
+    prompts that differ early but share a later block would share that block's K/V."""
+    import hashlib
+
+    return [
+        hashlib.sha256(repr((salt, token_ids[i : i + block_size])).encode()).digest()
+        for i in range(0, len(token_ids) - block_size + 1, block_size)
+    ]
+
+
+def _cached_prefix_length_without_last_token(block_hashes, cached, num_tokens, block_size):
+    """Serves every leading cached block, even when that covers the whole prompt: no token is
+    left to compute, so there are no logits to sample the first output token from."""
+    num_cached = 0
+    for block_hash in block_hashes:
+        if block_hash not in cached:
+            break
+        num_cached += 1
+    return num_cached * block_size
+
+
 BROKEN = {
     "ch00.rms_norm": _layer_norm_instead_of_rms_norm,
     "ch00.rope": _rope_on_interleaved_pairs,
@@ -90,6 +112,8 @@ BROKEN = {
     "ch03.slot_mapping": _slot_mapping_without_block_size,
     "ch03.paged_attention": _paged_attention_causal_from_the_top,
     "ch04.schedule_step": _schedule_step_seats_ignore_running,
+    "ch05.block_hashes": _block_hashes_without_chain,
+    "ch05.cached_prefix_length": _cached_prefix_length_without_last_token,
 }
 
 

@@ -118,5 +118,5 @@ def assert_check(name: str, implementation: Callable) -> None:
 
 def _load_chapters() -> None:
     # Importing a chapter's module registers its checks.
-    for module in ("chapter00", "chapter01", "chapter02", "chapter03", "chapter04"):
+    for module in ("chapter00", "chapter01", "chapter02", "chapter03", "chapter04", "chapter05"):
         importlib.import_module(f"minivllm.learning_checks.{module}")
