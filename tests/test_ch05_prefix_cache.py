@@ -431,8 +431,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self.content[block] = self.identity(request, block_index) if full else None
         computed(self.manager, request, total)
         known = self.cached_identities()
-        for block_index in range(total // self.block_size):
-            assert self.identity(request, block_index) in known, "a full block was not named"
+        for block_index in range(start // self.block_size, total // self.block_size):
+            assert self.identity(request, block_index) in known, "a new full block was not named"
 
     # -- rules --
 
@@ -577,6 +577,22 @@ def test_shared_prefix_round_twice_hits_and_keeps_tokens(tiny_dir, tiny_greedy):
         assert output.num_cached_tokens >= 20  # at least the prefix's five full blocks
     assert all(o.num_cached_tokens == 0 for o in generate(off, second_round, 1))
     assert_pool_is_empty(llm.llm_engine)
+
+
+def test_a_follow_up_turn_finds_the_blocks_of_the_reply(tiny_dir, tiny_greedy):
+    """A follow-up prompt that resends the first prompt and its reply finds the reply's blocks
+    too (generated tokens are cached as they are computed), and gets transformers' tokens."""
+    first_prompt = random_prompt(10, seed=550)
+    llm = tiny_llm(tiny_dir)
+    first = generate(llm, [first_prompt], 12)[0]
+    assert len(first.outputs[0].token_ids) == 12
+    follow_up = first_prompt + first.outputs[0].token_ids + random_prompt(3, seed=551)
+    second = generate(llm, [follow_up], 8)[0]
+    assert second.num_cached_tokens == expected_cached_tokens(
+        follow_up, [computed_tokens(first)], BLOCK_SIZE
+    )
+    assert second.num_cached_tokens == 20  # 10 prompt tokens and 10 of the reply
+    assert second.outputs[0].token_ids == tiny_greedy(follow_up, 8)
 
 
 @pytest.mark.parametrize("length", [1, 4, 7, 16, 17])
