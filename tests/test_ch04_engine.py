@@ -51,8 +51,11 @@ def pool_bytes(model_dir, num_blocks: int, block_size: int) -> int:
     return num_blocks * block_size * kv_bytes_per_token(model_dir)
 
 
-def tiny_engine(model_dir, num_blocks=64, block_size=4, **kwargs) -> LLMEngine:
-    """An engine on a tiny model with a pool of exactly `num_blocks` blocks, float32 on the CPU."""
+def tiny_engine(
+    model_dir, num_blocks=64, block_size=4, enable_prefix_caching=False, **kwargs
+) -> LLMEngine:
+    """Chapter 04's engine (no prefix cache unless asked: chapter 05 adds it) on a tiny model,
+    with a pool of exactly `num_blocks` blocks, float32 on the CPU."""
     engine = LLMEngine(
         EngineConfig(
             model=str(model_dir),
@@ -60,6 +63,7 @@ def tiny_engine(model_dir, num_blocks=64, block_size=4, **kwargs) -> LLMEngine:
             device="cpu",
             block_size=block_size,
             kv_cache_memory_bytes=pool_bytes(model_dir, num_blocks, block_size),
+            enable_prefix_caching=enable_prefix_caching,
             **kwargs,
         )
     )
@@ -92,10 +96,12 @@ def run_to_completion(engine: LLMEngine) -> dict:
 
 
 def assert_pool_is_empty(engine: LLMEngine) -> None:
-    """Nothing left running or waiting, no block table, every block free."""
+    """Nothing left running or waiting, no block table, every block free (blocks that keep a
+    cached prefix count as free: nobody holds them)."""
     manager = engine.kv_cache_manager
     assert not engine.scheduler.running and not engine.scheduler.waiting
     assert manager.block_tables == {}
+    assert manager.block_hashes == {}
     assert manager.num_free_blocks == manager.num_blocks
     assert all(count == 0 for count in manager.pool.ref_counts)
 
@@ -269,11 +275,18 @@ def test_chunked_prefill_equals_transformers(tiny_dir, tiny_prompts, tiny_greedy
     assert all(sum(e["new"] for e in step) <= 7 for step in log.steps)
 
 
-def test_preemption_recomputes_the_same_tokens(tiny_dir, tiny_prompts, tiny_greedy):
+@pytest.mark.parametrize("enable_prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
+def test_preemption_recomputes_the_same_tokens(
+    enable_prefix_caching, tiny_dir, tiny_prompts, tiny_greedy
+):
     """A pool of 36 four-token blocks cannot hold all requests at once: the newest running ones
-    are preempted (their blocks freed) and later recomputed from scratch, with the same tokens."""
+    are preempted (their blocks freed) and later recomputed (from scratch, or from what the
+    prefix cache still holds), with the same tokens."""
     llm = bounded_llm(
-        model=str(tiny_dir), block_size=4, kv_cache_memory_bytes=pool_bytes(tiny_dir, 36, 4)
+        model=str(tiny_dir),
+        block_size=4,
+        kv_cache_memory_bytes=pool_bytes(tiny_dir, 36, 4),
+        enable_prefix_caching=enable_prefix_caching,
     )
     max_tokens = [16] * len(tiny_prompts)
     outputs = llm.generate(
@@ -328,6 +341,76 @@ def test_priority_policy_runs_lowest_value_first(tiny_dir):
     assert log.first_scheduled_order() == [outputs[i].request_id for i in by_priority]
 
 
+def test_fcfs_preempts_the_newest_running_request(tiny_dir, tiny_greedy):
+    """Out of blocks, FCFS preempts the most recently admitted running request: the oldest one
+    keeps its blocks and is never recomputed, so it finishes as early as possible."""
+    engine = tiny_engine(tiny_dir, num_blocks=10, block_size=4)  # 40 tokens; each needs 31
+    prompts = {"old": random_prompt(12, 80), "new": random_prompt(12, 81)}
+    engine.add_request("old", {"prompt_token_ids": prompts["old"]}, greedy(20))
+    engine.step()
+    engine.add_request("new", {"prompt_token_ids": prompts["new"]}, greedy(20))
+    sequences = {rid: engine.requests[rid][0] for rid in prompts}
+    finished = run_to_completion(engine)
+    assert metrics(engine)["vllm:num_preemptions"] > 0
+    assert sequences["old"].num_preemptions == 0 and sequences["new"].num_preemptions > 0
+    for rid, prompt in prompts.items():
+        assert finished[rid].outputs[0].token_ids == tiny_greedy(prompt, 20)
+
+
+def test_priority_policy_preempts_the_lowest_priority(tiny_dir, tiny_greedy):
+    """With the priority policy, the running request with the largest priority value gives its
+    blocks up, even though it arrived first."""
+    engine = tiny_engine(tiny_dir, num_blocks=10, block_size=4, scheduling_policy="priority")
+    prompts = {"background": random_prompt(12, 82), "urgent": random_prompt(12, 83)}
+    engine.add_request(
+        "background", {"prompt_token_ids": prompts["background"]}, greedy(20), priority=1
+    )
+    engine.step()
+    engine.add_request("urgent", {"prompt_token_ids": prompts["urgent"]}, greedy(20), priority=0)
+    sequences = {rid: engine.requests[rid][0] for rid in prompts}
+    finished = run_to_completion(engine)
+    assert sequences["urgent"].num_preemptions == 0
+    assert sequences["background"].num_preemptions > 0
+    for rid, prompt in prompts.items():
+        assert finished[rid].outputs[0].token_ids == tiny_greedy(prompt, 20)
+
+
+def test_without_chunked_prefill_each_prompt_runs_in_one_step(tiny_dir, tiny_prompts, tiny_greedy):
+    """With enable_chunked_prefill=False a prompt is never split: each request's first step
+    computes its whole prompt, and the tokens are transformers'."""
+    prompts, limits = tiny_prompts[:3], TINY_MAX_TOKENS[:3]  # 32 to 38 tokens
+    engine = tiny_engine(tiny_dir, max_num_batched_tokens=40, enable_chunked_prefill=False)
+    log = ScheduleLog(engine)
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy(limit))
+    finished = run_to_completion(engine)
+    first_steps = {}
+    for step in log.steps:
+        for entry in step:
+            first_steps.setdefault(entry["id"], entry)
+    assert all(e["computed"] == 0 and e["new"] == e["prompt_len"] for e in first_steps.values())
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        assert finished[str(i)].outputs[0].token_ids == tiny_greedy(prompt, limit)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="with enable_chunked_prefill=False nothing refuses a prompt longer than "
+    "max_num_batched_tokens: the scheduler never admits it and LLM.generate loops forever",
+)
+def test_without_chunked_prefill_a_prompt_over_the_budget_is_refused(tiny_dir):
+    """With chunked prefill off, a prompt must fit in one step's token budget: a longer one is
+    refused (naming the 8-token limit), or the engine refuses the configuration, instead of
+    waiting forever."""
+    try:
+        engine = tiny_engine(tiny_dir, max_num_batched_tokens=8, enable_chunked_prefill=False)
+    except ValueError as error:  # refused up front: the budget is below the context length
+        assert "max_num_batched_tokens" in str(error)
+        return
+    with pytest.raises(ValueError, match=r"\b8\b"):
+        engine.add_request("long", {"prompt_token_ids": random_prompt(20, 90)}, greedy(2))
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="Scheduler.add_request numbers arrivals with len(_arrival_order), which shrinks as "
@@ -367,23 +450,25 @@ def tiny(tiny_dir) -> TinyDir:
 
 @st.composite
 def request_streams(draw):
-    """Requests arriving at random steps, with random prompt lengths and limits, on an engine
-    with a random block size, pool, token budget and seat count."""
+    """Requests arriving at random steps, with random prompt lengths and limits (and random
+    shares of a common prefix), on an engine with a random block size, pool, token budget, seat
+    count, and prefix caching on or off."""
     block_size = draw(st.sampled_from([1, 2, 3, 5, 16]))
     requests = draw(
         st.lists(
-            st.tuples(st.integers(0, 8), st.integers(1, 24), st.integers(1, 8)),
+            st.tuples(st.integers(0, 8), st.integers(1, 24), st.integers(1, 8), st.floats(0, 1)),
             min_size=1,
             max_size=6,
         )
-    )  # (arrival step, prompt length, max_tokens)
+    )  # (arrival step, prompt length, max_tokens, share of the prompt from a common prefix)
     requests.sort(key=lambda r: r[0])
-    longest = max(length + limit for _, length, limit in requests)
+    longest = max(length + limit for _, length, limit, _ in requests)
     fewest_blocks = blocks_for(longest, block_size)  # every request must fit alone
     num_blocks = draw(st.integers(fewest_blocks, fewest_blocks + 12))
     budget = draw(st.integers(1, 40))
     max_num_seqs = draw(st.integers(1, 5))
-    return block_size, num_blocks, budget, max_num_seqs, requests
+    prefix_caching = draw(st.booleans())
+    return block_size, num_blocks, budget, max_num_seqs, prefix_caching, requests
 
 
 @settings(
@@ -397,16 +482,21 @@ def test_scheduler_invariants_on_random_request_streams(stream, seed, tiny, tiny
     max_num_seqs, no request computes past its known tokens. Every admitted request finishes
     with transformers' tokens, requests are first scheduled in arrival order (FCFS), and at the
     end every block is back in the pool."""
-    block_size, num_blocks, budget, max_num_seqs, requests = stream
+    block_size, num_blocks, budget, max_num_seqs, prefix_caching, requests = stream
     engine = tiny_engine(
         tiny.path,
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
+        enable_prefix_caching=prefix_caching,
     )
     log = ScheduleLog(engine)
-    prompts = [random_prompt(length, seed + i) for i, (_, length, _) in enumerate(requests)]
+    common = random_prompt(24, seed + 100)
+    prompts = []
+    for i, (_, length, _, share) in enumerate(requests):
+        shared = int(share * length)
+        prompts.append(common[:shared] + random_prompt(length - shared, seed + i))
     finished = {}
     pending = list(range(len(requests)))
     step = 0
@@ -426,7 +516,7 @@ def test_scheduler_invariants_on_random_request_streams(stream, seed, tiny, tiny
         assert all(1 <= e["new"] <= e["num_tokens"] - e["computed"] for e in scheduled)
 
     assert sorted(finished, key=int) == [str(i) for i in range(len(requests))]
-    for i, (_, _, limit) in enumerate(requests):
+    for i, (_, _, limit, _) in enumerate(requests):
         assert finished[str(i)].outputs[0].token_ids == tiny_greedy(prompts[i], limit)
     order = log.first_scheduled_order()
     assert order == sorted(order, key=int), "FCFS: first scheduled in arrival order"

@@ -103,7 +103,9 @@ def check_rope(rope) -> None:
         expected = expected[0].transpose(0, 1)
         got = rope(x, position_ids, theta)
         assert got.shape == x.shape, f"shape {tuple(got.shape)}, expected {tuple(x.shape)}"
-        assert torch.allclose(got, expected, atol=1e-4), (
+        # float32 angles of large positions carry rounding errors of ~1e-4 whichever way the
+        # frequencies are written; a wrong rotation is off by O(1).
+        assert torch.allclose(got, expected, atol=1e-3), (
             f"max difference {(got - expected).abs().max().item():.3g}"
         )
 

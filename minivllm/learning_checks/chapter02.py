@@ -57,7 +57,8 @@ def check_kv_bytes_per_token(kv_bytes_per_token) -> None:
         model = LlamaForCausalLM(config).to(dtype)
         with torch.no_grad():
             cache = model(torch.zeros(1, num_tokens, dtype=torch.long), use_cache=True)
-        cache = cache.past_key_values
+        # transformers 5 names the returned cache `cache`; earlier versions `past_key_values`.
+        cache = cache.cache if "cache" in cache else cache.past_key_values
         measured = sum(
             layer.keys.numel() * layer.keys.element_size()
             + layer.values.numel() * layer.values.element_size()
