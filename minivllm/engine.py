@@ -63,6 +63,10 @@ class LLMEngine:
         self.max_model_len = min(self.model_config.max_model_len, num_blocks * config.block_size)
         if config.max_model_len is not None:
             self.max_model_len = min(self.max_model_len, config.max_model_len)
+        if not config.enable_chunked_prefill:
+            # Without chunking a prompt (or a preempted sequence) is computed in one step, so it
+            # must fit in one step's token budget.
+            self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
 
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -144,8 +148,10 @@ class LLMEngine:
         self.processor.check_fits(processed, params)
         sequences = []
         for index in range(params.n):
+            # "id#index" names each sequence uniquely: the part after the last "#" is an int,
+            # so no two (request id, index) pairs give the same name.
             sequence = Request.create(
-                request_id if params.n == 1 else f"{request_id}#{index}",
+                f"{request_id}#{index}",
                 processed.text,
                 processed.token_ids,
                 params,
@@ -154,6 +160,7 @@ class LLMEngine:
                 self.max_model_len,
                 index=index,
             )
+            sequence.parent_request_id = request_id
             sequence.priority = priority
             sequence.cache_salt = processed.cache_salt
             sequences.append(sequence)
@@ -191,9 +198,7 @@ class LLMEngine:
             if len(sequence.output_token_ids) == 1:
                 self.num_prompt_tokens += len(sequence.prompt_token_ids)
             self.num_generation_tokens += 1
-            parent_id = (
-                sequence.request_id.split("#")[0] if sequence.params.n > 1 else sequence.request_id
-            )
+            parent_id = sequence.parent_request_id
             if parent_id not in parent_ids:
                 parent_ids.append(parent_id)
         outputs = [self._request_output(parent_id) for parent_id in parent_ids]

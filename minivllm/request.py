@@ -38,6 +38,7 @@ class Request:
     max_model_len: int
     detokenizer: IncrementalDetokenizer
     index: int = 0  # which of the parent request's n completions this is
+    parent_request_id: str | None = None  # the user's id; request_id is this sequence's own
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     logprobs: list[dict[int, Logprob]] | None = None

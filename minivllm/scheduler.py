@@ -19,6 +19,7 @@ queue, to be recomputed from scratch later. Greedy outputs are identical; only t
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -69,9 +70,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_stats = PrefixCacheStats()  # cumulative, in prompt tokens
         self._arrival_order: dict[str, int] = {}
+        self._arrival_counter = itertools.count()
 
     def add_request(self, request: Request) -> None:
-        self._arrival_order[request.request_id] = len(self._arrival_order)
+        self._arrival_order[request.request_id] = next(self._arrival_counter)
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:

@@ -64,7 +64,7 @@ def test_tiny_model_logits_match_transformers(family, tiny_models, chat_prompts)
     """Every supported family (GQA, tied/untied head, Qwen2 bias, Qwen3 q/k norm) matches transformers."""
     ours, hf_model = tiny_models(family)
     prompt = chat_prompts[-1]
-    assert_logits_close(our_logits(ours, prompt), hf_logits(hf_model, prompt), atol=1e-5)
+    assert_logits_close(our_logits(ours, prompt), hf_logits(hf_model, prompt), atol=5e-5)
 
 
 @torch.inference_mode()
@@ -118,7 +118,7 @@ def test_rope_scaling_variant_matches_transformers(rope_type, tmp_path, embedded
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompt = chat_prompt_ids(tokenizer, "Scaled rotary embeddings stretch the context window.")
     assert_logits_close(
-        our_logits(load_model(path), prompt), hf_logits(hf_model, prompt), atol=1e-5
+        our_logits(load_model(path), prompt), hf_logits(hf_model, prompt), atol=5e-5
     )
 
 

@@ -42,6 +42,10 @@ def tiny_hf_config(family: str, vocab_size: int, **overrides):
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=2,
+        # Larger random weights than the default 0.02: with tiny weights a tied-embedding model
+        # just repeats its last input token, and a test could not tell a broken cache from a
+        # working one.
+        initializer_range=0.2,
     )
     if family == "mistral":
         fields["sliding_window"] = None
