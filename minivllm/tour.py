@@ -33,7 +33,10 @@ def run_tour(quick: bool = False) -> None:
     )
     print(f"A: {answer[0].outputs[0].text}\n")
 
-    ctx = BenchmarkContext(llm.model_path, llm.model, llm.tokenizer, torch.float32, batch_size=8)
+    engine = llm.llm_engine
+    ctx = BenchmarkContext(
+        engine.model_path, engine.model, engine.tokenizer, torch.float32, batch_size=8
+    )
     num_requests, output_length = (4, 16) if quick else (8, 32)
     workload = throughput_workload(
         llm.tokenizer,
