@@ -39,7 +39,7 @@ def run_tour(quick: bool = False) -> None:
     )
     num_requests, output_length = (4, 16) if quick else (8, 32)
     workload = throughput_workload(
-        llm.tokenizer,
+        engine.tokenizer,
         num_requests=num_requests,
         prompt_lengths=(20, 120),
         output_length=output_length,
