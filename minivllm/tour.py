@@ -18,7 +18,7 @@ from minivllm.workloads import throughput_workload
 
 TOUR_QUESTION = "What is the capital of France? Answer in one sentence."
 # One method per chapter; transformers first, so "same tokens" compares against the oracle.
-TOUR_METHODS = ["hf", "naive", "kv-cache", "static"]
+TOUR_METHODS = ["hf", "naive", "kv-cache", "static", "engine-no-prefix-cache", "engine"]
 
 
 def run_tour(quick: bool = False) -> None:
