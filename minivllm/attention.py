@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minivllm.block_manager import cdiv
 from minivllm.config import ModelConfig
 
 
@@ -149,7 +150,7 @@ def paged_attention(
             if query_len == seq_len and new_k is not None:
                 keys, values = new_k[rows], new_v[rows]
             else:
-                num_blocks = -(-seq_len // kv.shape[2])
+                num_blocks = cdiv(seq_len, kv.shape[2])
                 table = metadata.block_tables[i : i + 1, :num_blocks]
                 keys, values = gather_kv(kv, table, seq_len)[:, 0]
             out[rows] = _prefill_attention(q[rows], keys, values)
@@ -196,7 +197,7 @@ def _batched_decode_attention(
     seq_lens = metadata.seq_lens[seqs]
     longest = max(metadata.seq_lens_list[i] for i in seqs)
     block_size = kv.shape[2]
-    num_blocks = -(-longest // block_size)
+    num_blocks = cdiv(longest, block_size)
     keys, values = gather_kv(kv, metadata.block_tables[seqs, :num_blocks], longest)
     slots = torch.arange(longest, device=q.device)
     mask = (slots[None, :] < seq_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, slots]

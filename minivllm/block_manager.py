@@ -117,11 +117,6 @@ class KVCacheManager:
         still hold a cached prefix count as free: they can be reclaimed at any time."""
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
-    def blocks_needed(self, request_id: str, num_tokens: int) -> int:
-        """New blocks a request needs so that `num_tokens` tokens in total fit."""
-        have = len(self.block_tables.get(request_id, ()))
-        return max(cdiv(num_tokens, self.block_size) - have, 0)
-
     def find_cached_blocks(self, request) -> list[int]:
         """The longest prefix of the request's full blocks that is already cached.
 
@@ -175,7 +170,12 @@ class KVCacheManager:
         # sequence's last blocks are the least likely to be shared, so they go first.
         self.pool.free(list(reversed(blocks)))
 
+    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
+        """Flat pool indices of the K/V of the request's tokens at positions start..end-1:
+        slot = block_id * block_size + offset."""
+        table, size = self.block_tables[request_id], self.block_size
+        return [table[p // size] * size + p % size for p in range(start, end)]
+
     def slot(self, request_id: str, position: int) -> int:
         """Flat index in the pool of the K/V of the request's token at `position`."""
-        block_id = self.block_tables[request_id][position // self.block_size]
-        return block_id * self.block_size + position % self.block_size
+        return self.slot_mapping(request_id, position, position + 1)[0]

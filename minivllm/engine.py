@@ -193,14 +193,12 @@ class LLMEngine:
             return []
         sampled = self.model_runner.execute(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, sampled)
-        parent_ids = []
+        parent_ids: dict[str, None] = {}  # requests that advanced, in order, once each
         for sequence in updated:
             if len(sequence.output_token_ids) == 1:
                 self.num_prompt_tokens += len(sequence.prompt_token_ids)
             self.num_generation_tokens += 1
-            parent_id = sequence.parent_request_id
-            if parent_id not in parent_ids:
-                parent_ids.append(parent_id)
+            parent_ids[sequence.parent_request_id] = None
         outputs = [self._request_output(parent_id) for parent_id in parent_ids]
         for output in outputs:
             if output.finished:
@@ -224,14 +222,13 @@ class LLMEngine:
 
     def get_metrics(self) -> list[Metric]:
         scheduler = self.scheduler
-        usage = self.kv_cache_manager.usage if scheduler.running else 0.0
         cache = scheduler.prefix_cache_stats
         step_queries, step_hits = self.last_step_prefix_cache
         rows = [
             (
                 "vllm:kv_cache_usage_perc",
                 "gauge",
-                usage,
+                self.kv_cache_manager.usage,  # 0 when idle: waiting requests hold no blocks
                 "Share of KV blocks held by live requests",
             ),
             ("vllm:num_requests_running", "gauge", len(scheduler.running), "Requests running"),

@@ -35,7 +35,6 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
         """Run one step; returns request id -> (sampled token, its logprobs)."""
-        block_size = self.kv_cache_manager.block_size
         input_ids, positions, slot_mapping = [], [], []
         query_lens, seq_lens, block_tables = [], [], []
         sample_rows, sampling_requests = [], []
@@ -46,9 +45,7 @@ class ModelRunner:
             table = self.kv_cache_manager.block_tables[request.request_id]
             input_ids += request.token_ids_between(start, end)
             positions += range(start, end)
-            slot_mapping += [
-                table[p // block_size] * block_size + p % block_size for p in range(start, end)
-            ]
+            slot_mapping += self.kv_cache_manager.slot_mapping(request.request_id, start, end)
             query_lens.append(end - start)
             seq_lens.append(end)
             block_tables.append(table)

@@ -77,6 +77,13 @@ def _find_sublist(haystack: list[int], needle: list[int]) -> int:
     raise ValueError("the chat template does not contain the message text")
 
 
+def shuffled_spread(low: int, high: int, count: int, rng: random.Random) -> list[int]:
+    """`count` integers spread evenly from low to high (both included), in a seeded random order."""
+    values = [low + round(i * (high - low) / max(count - 1, 1)) for i in range(count)]
+    rng.shuffle(values)
+    return values
+
+
 def throughput_workload(
     tokenizer,
     num_requests: int = 64,
@@ -87,10 +94,7 @@ def throughput_workload(
     """Many chat requests, prompt lengths spread evenly over a range, a fixed output length."""
     rng = random.Random(seed)
     low, high = prompt_lengths
-    lengths = [
-        low + round(i * (high - low) / max(num_requests - 1, 1)) for i in range(num_requests)
-    ]
-    rng.shuffle(lengths)
+    lengths = shuffled_spread(low, high, num_requests, rng)
     return Workload(
         name="throughput",
         prompts=[chat_prompt_of_length(tokenizer, n, rng) for n in lengths],
@@ -111,12 +115,8 @@ def varied_output_workload(
 ) -> Workload:
     """Like `throughput_workload`, but output lengths spread too: static batching's worst case."""
     base = throughput_workload(tokenizer, num_requests, prompt_lengths, 1, seed)
-    rng = random.Random(seed + 1)
     low, high = output_lengths
-    lengths = [
-        low + round(i * (high - low) / max(num_requests - 1, 1)) for i in range(num_requests)
-    ]
-    rng.shuffle(lengths)
+    lengths = shuffled_spread(low, high, num_requests, random.Random(seed + 1))
     return Workload(
         name="varied-output",
         prompts=base.prompts,
