@@ -136,3 +136,34 @@ def hf_generate(hf_model, prompt_ids, max_new_tokens: int, eos_token_id: int | N
         pad_token_id=EOS_TOKEN_ID,
     )
     return output[0, len(prompt_ids) :].tolist()
+
+
+# The tiny family the engine tests compare against: its greedy tokens depend on the whole
+# context, so a wrong KV cache shows up as different tokens.
+ENGINE_TEST_FAMILY = "mistral"
+
+
+@pytest.fixture(scope="session")
+def tiny_greedy(tiny_models):
+    """transformers' greedy tokens on a tiny model, one prompt alone (memoized)."""
+    results: dict = {}
+
+    def run(prompt_ids, max_new_tokens: int, family: str = ENGINE_TEST_FAMILY) -> list[int]:
+        key = (family, tuple(prompt_ids), max_new_tokens)
+        if key not in results:
+            hf_model = tiny_models(family)[1]
+            results[key] = hf_generate(hf_model, list(prompt_ids), max_new_tokens, EOS_TOKEN_ID)
+        return list(results[key])
+
+    return run
+
+
+def assert_pool_is_empty(engine) -> None:
+    """Nothing left running or waiting, no block table, every block free (blocks that keep a
+    cached prefix count as free: nobody holds them)."""
+    manager = engine.kv_cache_manager
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert manager.block_tables == {}
+    assert manager.block_hashes == {}
+    assert manager.num_free_blocks == manager.num_blocks
+    assert all(count == 0 for count in manager.pool.ref_counts)

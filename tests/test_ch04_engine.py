@@ -19,7 +19,7 @@ import math
 
 import pytest
 import torch
-from conftest import EOS_TOKEN_ID, hf_generate
+from conftest import ENGINE_TEST_FAMILY, EOS_TOKEN_ID, assert_pool_is_empty
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +27,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine import LLMEngine
 
-ENGINE_FAMILY = "mistral"
+ENGINE_FAMILY = ENGINE_TEST_FAMILY
 VOCAB_SIZE = 49152  # the embedded tokenizer's, shared by the tiny models
 
 # Per-prompt limits against the chat prompts' natural reply lengths on the embedded model
@@ -95,17 +95,6 @@ def run_to_completion(engine: LLMEngine) -> dict:
     return finished
 
 
-def assert_pool_is_empty(engine: LLMEngine) -> None:
-    """Nothing left running or waiting, no block table, every block free (blocks that keep a
-    cached prefix count as free: nobody holds them)."""
-    manager = engine.kv_cache_manager
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert manager.block_tables == {}
-    assert manager.block_hashes == {}
-    assert manager.num_free_blocks == manager.num_blocks
-    assert all(count == 0 for count in manager.pool.ref_counts)
-
-
 def limit_steps(engine: LLMEngine, max_steps: int = 5000) -> None:
     """Make a run fail, instead of looping forever, if the engine stops making progress."""
     step, count = engine.step, [0]
@@ -166,21 +155,6 @@ class ScheduleLog:
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_model_dirs):
     return tiny_model_dirs[ENGINE_FAMILY]
-
-
-@pytest.fixture(scope="module")
-def tiny_greedy(tiny_models):
-    """transformers' greedy tokens on a tiny model, one prompt alone (memoized)."""
-    results: dict = {}
-
-    def run(prompt_ids, max_new_tokens: int, family: str = ENGINE_FAMILY) -> list[int]:
-        key = (family, tuple(prompt_ids), max_new_tokens)
-        if key not in results:
-            hf_model = tiny_models(family)[1]
-            results[key] = hf_generate(hf_model, list(prompt_ids), max_new_tokens, EOS_TOKEN_ID)
-        return list(results[key])
-
-    return run
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import EOS_TOKEN_ID, hf_generate
+from conftest import ENGINE_TEST_FAMILY, EOS_TOKEN_ID, assert_pool_is_empty
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -43,7 +43,7 @@ from minivllm.engine import LLMEngine
 from minivllm.prefix_cache import hash_block, hash_blocks
 from minivllm.tokenizer import apply_chat_template
 
-FAMILY = "mistral"
+FAMILY = ENGINE_TEST_FAMILY
 VOCAB_SIZE = 49152  # the embedded tokenizer's, shared by the tiny models
 BLOCK_SIZE = 4
 
@@ -139,33 +139,9 @@ def expected_cached_tokens(prompt: list[int], earlier: list[list[int]], block_si
     return best * block_size
 
 
-def assert_pool_is_empty(engine: LLMEngine) -> None:
-    """Nothing running or waiting, no block table, every block free (cached ones included)."""
-    manager = engine.kv_cache_manager
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert manager.block_tables == {}
-    assert manager.num_free_blocks == manager.num_blocks
-    assert all(count == 0 for count in manager.pool.ref_counts)
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tiny_model_dirs):
     return tiny_model_dirs[FAMILY]
-
-
-@pytest.fixture(scope="module")
-def tiny_greedy(tiny_models):
-    """transformers' greedy tokens on the tiny model, one prompt alone (memoized)."""
-    results: dict = {}
-
-    def run(prompt_ids, max_new_tokens: int) -> list[int]:
-        key = (tuple(prompt_ids), max_new_tokens)
-        if key not in results:
-            hf_model = tiny_models(FAMILY)[1]
-            results[key] = hf_generate(hf_model, list(prompt_ids), max_new_tokens, EOS_TOKEN_ID)
-        return list(results[key])
-
-    return run
 
 
 def assert_equals_transformers(outputs, prompts, max_tokens: int, tiny_greedy) -> None:
