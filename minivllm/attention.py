@@ -26,6 +26,19 @@ import torch.nn.functional as F
 from minivllm.block_manager import cdiv
 from minivllm.config import ModelConfig
 
+# Decodes are attended in groups of this many sequences of similar length (see `_decode_groups`).
+DECODE_GROUP_SIZE = 16
+
+
+@dataclass
+class DecodeGroup:
+    """Decoding sequences of similar length, answered together by one padded attention call."""
+
+    rows: torch.Tensor  # [seqs] their query rows in the flat batch
+    block_tables: torch.Tensor  # [seqs, blocks] enough blocks for the longest, padded with 0
+    mask: torch.Tensor  # [seqs, 1, 1, longest] which of the padded positions hold real tokens
+    longest: int
+
 
 @dataclass
 class AttentionMetadata:
@@ -38,6 +51,8 @@ class AttentionMetadata:
     # The same numbers as Python lists, so loops over sequences need no device sync.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # Decodes grouped for batched attention, prepared once per step and reused by every layer.
+    decode_groups: list[DecodeGroup]
 
     @classmethod
     def build(
@@ -57,11 +72,45 @@ class AttentionMetadata:
             block_tables=torch.tensor(padded, dtype=torch.long, device=device),
             query_lens_list=list(query_lens),
             seq_lens_list=list(seq_lens),
+            decode_groups=_decode_groups(query_lens, seq_lens, block_tables, device),
         )
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
+
+
+def _decode_groups(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    device: torch.device | str,
+) -> list[DecodeGroup]:
+    """Sort the decoding sequences (one query each) by length and cut them into groups.
+
+    A padded batch costs as much as if every member were as long as its longest one: with
+    contexts spread over 20..360 tokens, one group of 64 would copy and attend over about
+    twice the real tokens. Groups of similar lengths pad each only to its own longest member.
+    """
+    decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
+    starts = _starts(query_lens)
+    groups = []
+    for start in range(0, len(decodes), DECODE_GROUP_SIZE):
+        members = decodes[start : start + DECODE_GROUP_SIZE]
+        lens = torch.tensor([seq_lens[i] for i in members], device=device)
+        longest = seq_lens[members[-1]]
+        width = max(len(block_tables[i]) for i in members)
+        tables = [block_tables[i] + [0] * (width - len(block_tables[i])) for i in members]
+        mask = torch.arange(longest, device=device)[None, :] < lens[:, None]
+        groups.append(
+            DecodeGroup(
+                rows=torch.tensor([starts[i] for i in members], device=device),
+                block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+                mask=mask[:, None, None, :],
+                longest=longest,
+            )
+        )
+    return groups
 
 
 class PagedKVCache:
@@ -111,17 +160,27 @@ def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
     kv[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
 
 
-def gather_kv(kv: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+def gather_kv(
+    kv: torch.Tensor, block_tables: torch.Tensor, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the first `length` tokens of sequences, copied out of their blocks.
 
-    `block_tables` is [num_seqs, num_blocks]; returns [2, num_seqs, length, heads, dim]. One
-    `index_select` fetches the blocks for K and V together, in block-table order, so that each
-    sequence's tokens come out contiguous and in position order.
+    `block_tables` is [num_seqs, num_blocks]; returns keys and values, each
+    [num_seqs, length, heads, dim], every sequence's tokens contiguous and in position order.
+    Viewed as [num_blocks, block_size * heads * dim], a pool half holds one block per row, so
+    `index_select` copies whole rows, one memcpy per block: several times faster than
+    selecting along an inner dimension of the 5-D pool, which copies element by element.
     """
     num_seqs = block_tables.shape[0]
-    num_kv_heads, head_dim = kv.shape[-2:]
-    blocks = kv.index_select(1, block_tables.flatten())
-    return blocks.view(2, num_seqs, -1, num_kv_heads, head_dim)[:, :, :length]
+    num_blocks, num_kv_heads, head_dim = kv.shape[1], kv.shape[-2], kv.shape[-1]
+    rows = block_tables.flatten()
+    keys, values = (
+        half.view(num_blocks, -1)
+        .index_select(0, rows)
+        .view(num_seqs, -1, num_kv_heads, head_dim)[:, :length]
+        for half in kv
+    )
+    return keys, values
 
 
 def paged_attention(
@@ -138,11 +197,10 @@ def paged_attention(
     gathering them back out of its blocks.
     """
     out = torch.empty_like(q)
+    for group in metadata.decode_groups:
+        group_out = _batched_decode_attention(q.index_select(0, group.rows), kv, group)
+        out.index_copy_(0, group.rows, group_out)
     starts = _starts(metadata.query_lens_list)
-    decode_seqs = [i for i, n in enumerate(metadata.query_lens_list) if n == 1]
-    if decode_seqs:
-        rows = torch.tensor([starts[i] for i in decode_seqs], device=q.device)
-        out[rows] = _batched_decode_attention(q[rows], kv, metadata, decode_seqs)
     for i, query_len in enumerate(metadata.query_lens_list):
         if query_len > 1:
             start, seq_len = starts[i], metadata.seq_lens_list[i]
@@ -152,7 +210,7 @@ def paged_attention(
             else:
                 num_blocks = cdiv(seq_len, kv.shape[2])
                 table = metadata.block_tables[i : i + 1, :num_blocks]
-                keys, values = gather_kv(kv, table, seq_len)[:, 0]
+                keys, values = (t[0] for t in gather_kv(kv, table, seq_len))
             out[rows] = _prefill_attention(q[rows], keys, values)
     return out
 
@@ -190,22 +248,23 @@ def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 
 def _batched_decode_attention(
-    q: torch.Tensor, kv: torch.Tensor, metadata: AttentionMetadata, seqs: list[int]
+    q: torch.Tensor, kv: torch.Tensor, group: DecodeGroup
 ) -> torch.Tensor:
-    """One query per sequence: gather each sequence's blocks into a padded batch and run one
-    masked attention call for all of them, [num_seqs, heads, dim]."""
-    seq_lens = metadata.seq_lens[seqs]
-    longest = max(metadata.seq_lens_list[i] for i in seqs)
-    block_size = kv.shape[2]
-    num_blocks = cdiv(longest, block_size)
-    keys, values = gather_kv(kv, metadata.block_tables[seqs, :num_blocks], longest)
-    slots = torch.arange(longest, device=q.device)
-    mask = (slots[None, :] < seq_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, slots]
+    """One query per sequence: gather the group's blocks into a padded batch and run one
+    masked attention call for all of them, [num_seqs, heads, dim].
+
+    Grouped-query attention is folded into the query length: the `group` query heads that
+    share a K/V head become `group` queries of that one head. All of a sequence's decode
+    queries sit at the same position and share one mask, so this is exactly GQA, and SDPA
+    gets plain multi-head shapes (no `enable_gqa`), which its fused CPU kernel takes.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = kv.shape[-2]
+    keys, values = gather_kv(kv, group.block_tables, group.longest)
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :],
+        q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=mask,
-        enable_gqa=True,
+        attn_mask=group.mask,
     )
-    return out[:, :, 0, :]
+    return out.reshape(num_seqs, num_heads, head_dim)
