@@ -13,7 +13,8 @@ token, some prefill a chunk of their prompt. `AttentionMetadata` describes that 
 Every attention backend takes this one metadata object. The "torch" backend here is the
 readable reference: write the new K/V at their slots, then for each sequence gather its K/V
 through its block table and run ordinary attention, with a causal mask shifted by the number
-of tokens already in the cache. Decodes (one query each) are batched into one call.
+of tokens already in the cache. Decodes (one query each) are batched: one call per group of
+sequences of similar length, prepared once per step in the metadata.
 """
 
 from __future__ import annotations

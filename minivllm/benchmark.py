@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from minivllm.config import ModelConfig
+from minivllm.cpu_allocator import keep_freed_memory_in_process
 from minivllm.kv_cache import generate_static_batch
 from minivllm.model_loader import load_model, load_tokenizer, resolve_model_path
 from minivllm.models.llama import LlamaForCausalLM
@@ -43,6 +45,7 @@ class BenchmarkContext:
     engine_args: dict = field(default_factory=dict)  # extra LLM(...) arguments for engines
     engines: dict = field(default_factory=dict, repr=False)  # method name -> its LLM
     _hf_model: object = field(default=None, repr=False)
+    _other_dtypes: dict = field(default_factory=dict, repr=False)  # dtype -> sibling context
 
     @classmethod
     def load(
@@ -55,6 +58,21 @@ class BenchmarkContext:
         model_dir = resolve_model_path(model)
         our_model = load_model(model_dir, dtype, device)
         return cls(model_dir, our_model, load_tokenizer(model_dir), dtype, batch_size)
+
+    def with_dtype(self, dtype: torch.dtype) -> BenchmarkContext:
+        """The same context with the model in another dtype, loaded on first use."""
+        if dtype == self.dtype:
+            return self
+        if dtype not in self._other_dtypes:
+            self._other_dtypes[dtype] = replace(
+                self,
+                model=load_model(self.model_dir, dtype, self.device),
+                dtype=dtype,
+                engines={},
+                _hf_model=None,
+                _other_dtypes={},
+            )
+        return self._other_dtypes[dtype]
 
     @property
     def hf_model(self):
@@ -100,6 +118,12 @@ class MethodResult:
     prompt_tokens: int
     output_tokens: int
     same_tokens_as_first: float  # share of requests whose tokens equal the first method's
+    # Share of output tokens that equal the first method's before the request's first
+    # difference (1.0: identical; a lower dtype typically drifts after a while).
+    matching_tokens: float = 1.0
+    dtype: str = "float32"
+    model_flops: float = 0.0  # FLOPs the workload needs (`model_flops`), whatever the method
+    matmul_peak_flops: float | None = None  # measured peak of this dtype, FLOP/s
     median_ttft_s: float | None = None
     prompt_tokens_computed: int | None = None
 
@@ -110,6 +134,13 @@ class MethodResult:
     @property
     def requests_per_s(self) -> float:
         return self.num_requests / self.seconds
+
+    @property
+    def mfu(self) -> float | None:
+        """Model-FLOPs utilisation: the workload's FLOPs per second over the matmul peak."""
+        if not self.matmul_peak_flops:
+            return None
+        return self.model_flops / self.seconds / self.matmul_peak_flops
 
 
 def _load_transformers(ctx: BenchmarkContext, workload: Workload) -> None:
@@ -286,29 +317,40 @@ METHODS: dict[str, Method] = {
 
 
 def run_benchmark(
-    ctx: BenchmarkContext, workload: Workload, method_names: list[str]
+    ctx: BenchmarkContext,
+    workload: Workload,
+    method_names: list[str],
+    measure_peak: bool = True,
 ) -> list[MethodResult]:
     """Run each method on the workload, in order, and time it.
 
     A batched method can be given a batch size after a colon ("hf-static:64"); for "hf-cb"
-    the number is generate_batch's token budget per step.
+    the number is generate_batch's token budget per step. A dtype after an "@" runs the
+    method with the model in that dtype ("engine@bfloat16"), so that dtypes compare side by
+    side in one run. With `measure_peak`, each dtype's matmul peak is measured once, for the
+    model-FLOPs utilisation column.
     """
-    unknown = [name for name in method_names if name.partition(":")[0] not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown benchmark methods {unknown}; choose from {list(METHODS)}")
+    specs = [_parse_method(name) for name in method_names]
+    keep_freed_memory_in_process()  # process-wide: the same allocator for every method
+    prompt_lengths = [len(prompt) for prompt in workload.prompts]
+    flops = model_flops(ctx.model.config, prompt_lengths, workload.output_lengths)
+    peaks: dict[torch.dtype, float] = {}
     results, first_outputs = [], None
-    for name in method_names:
-        method, setting = METHODS[name.partition(":")[0]], name.partition(":")[2]
+    for name, (method, setting, dtype) in zip(method_names, specs):
+        run_ctx = ctx.with_dtype(dtype or ctx.dtype)
         if setting:
             if method.name == "hf-cb":
-                ctx.hf_cb_max_batch_tokens = int(setting)
+                run_ctx.hf_cb_max_batch_tokens = int(setting)
             else:
-                ctx.batch_size = int(setting)
-            method = replace(method, name=name, label=f"{method.label} [{setting}]")
+                run_ctx.batch_size = int(setting)
+        label = method.label + (f" [{setting}]" if setting else "")
+        label += f" {_short_dtype(run_ctx.dtype)}" if dtype else ""
+        if measure_peak and run_ctx.dtype not in peaks:
+            peaks[run_ctx.dtype] = measure_matmul_peak(run_ctx.dtype, run_ctx.device)
         if method.setup is not None:
-            method.setup(ctx, workload)
+            method.setup(run_ctx, workload)
         start = time.perf_counter()
-        output = method.run(ctx, workload)
+        output = method.run(run_ctx, workload)
         seconds = time.perf_counter() - start
         if not isinstance(output, MethodOutput):
             output = MethodOutput(output)
@@ -318,13 +360,17 @@ def run_benchmark(
         results.append(
             MethodResult(
                 method=name,
-                label=method.label,
+                label=label,
                 chapter=method.chapter,
                 seconds=seconds,
                 num_requests=workload.num_requests,
                 prompt_tokens=workload.num_prompt_tokens,
                 output_tokens=sum(len(o) for o in outputs),
                 same_tokens_as_first=same,
+                matching_tokens=matching_token_share(outputs, first_outputs),
+                dtype=str(run_ctx.dtype).removeprefix("torch."),
+                model_flops=flops,
+                matmul_peak_flops=peaks.get(run_ctx.dtype),
                 median_ttft_s=statistics.median(output.ttft_s) if output.ttft_s else None,
                 prompt_tokens_computed=output.prompt_tokens_computed,
             )
@@ -332,23 +378,112 @@ def run_benchmark(
     return results
 
 
+def _parse_method(spec: str) -> tuple[Method, str, torch.dtype | None]:
+    """ "hf-static:64@bfloat16" -> (the hf-static method, "64", torch.bfloat16)."""
+    name_and_setting, _, dtype_name = spec.partition("@")
+    name, _, setting = name_and_setting.partition(":")
+    if name not in METHODS:
+        raise ValueError(f"unknown benchmark method {spec!r}; choose from {list(METHODS)}")
+    dtype = None
+    if dtype_name:
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {dtype_name!r} in benchmark method {spec!r}")
+    return METHODS[name], setting, dtype
+
+
+def _short_dtype(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(
+        dtype, str(dtype)
+    )
+
+
+def matching_token_share(outputs: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of the reference's tokens that `outputs` reproduces before its first difference
+    in each request. Greedy decoding in a lower precision agrees for a while, then one near
+    tie flips and the rest of that request follows another path."""
+    matched = total = 0
+    for got, expected in zip(outputs, reference):
+        for a, b in zip(got, expected):
+            if a != b:
+                break
+            matched += 1
+        total += len(expected)
+    return matched / total if total else 1.0
+
+
+def model_flops(config: ModelConfig, prompt_lengths: list[int], output_lengths: list[int]) -> float:
+    """Floating-point operations a workload needs, counted the usual way (a multiply-add is 2).
+
+    Per token fed through the model (every prompt token, and every generated token but the
+    last): 2 per weight of each linear layer. Per sampled token: 2 per weight of the LM head
+    (logits are only computed where a token is sampled). Attention: a query at position t
+    meets t + 1 keys, and QK^T and PV cost 2 each per head dimension. The same count serves
+    every method: padding or recomputation is work a method chose, not work the task needs.
+    """
+    q_size = config.num_heads * config.head_dim
+    kv_size = config.num_kv_heads * config.head_dim
+    hidden = config.hidden_size
+    linear_weights = config.num_layers * (
+        hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * config.intermediate_size
+    )
+    attention_per_pair = 4 * q_size * config.num_layers
+    flops = 0
+    for prompt_length, output_length in zip(prompt_lengths, output_lengths):
+        tokens = prompt_length + output_length - 1
+        flops += 2 * linear_weights * tokens
+        flops += 2 * hidden * config.vocab_size * output_length
+        flops += attention_per_pair * tokens * (tokens + 1) // 2
+    return float(flops)
+
+
+def measure_matmul_peak(dtype: torch.dtype, device: torch.device | str, size: int = 2048) -> float:
+    """The machine's matrix-multiply speed in FLOP/s: the best of a few large square products."""
+    a = torch.randn(size, size, dtype=dtype, device=device)
+    b = torch.randn(size, size, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(6):  # the first run warms up threads and caches
+        _synchronize(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def _synchronize(device: torch.device | str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def format_table(results: list[MethodResult], baseline: str | None = None) -> str:
-    """A plain-text table: time, output tokens/s, speedup over the baseline method, and for
-    our engine the median time to first token and the prompt tokens it computed."""
+    """A plain-text table: time, output tokens/s, speedup over the baseline method, agreement
+    with the first method (whole requests, and tokens before the first difference), model-FLOPs
+    utilisation, and for our engine the median time to first token and the prompt tokens it
+    computed."""
     base = next((r for r in results if r.method == baseline), results[0])
     lines = [
-        f"{'method':<48} {'seconds':>8} {'out tok/s':>10} {'speedup':>8} {'same tokens':>11}"
-        f" {'TTFT p50':>9} {'prefill tok':>11}"
+        f"{'method':<53} {'seconds':>8} {'out tok/s':>10} {'speedup':>8} {'same reqs':>9}"
+        f" {'same toks':>9} {'MFU':>5} {'TTFT p50':>9} {'prefill tok':>11}"
     ]
     for r in results:
         speedup = r.output_tokens_per_s / base.output_tokens_per_s
+        mfu = "" if r.mfu is None else f"{r.mfu:.0%}"
         ttft = "" if r.median_ttft_s is None else f"{r.median_ttft_s:.2f}s"
         prefill = "" if r.prompt_tokens_computed is None else str(r.prompt_tokens_computed)
         lines.append(
-            f"{r.label:<48} {r.seconds:>8.2f} {r.output_tokens_per_s:>10.1f} {speedup:>7.2f}x"
-            f" {r.same_tokens_as_first:>10.0%} {ttft:>9} {prefill:>11}"
+            f"{r.label:<53} {r.seconds:>8.2f} {r.output_tokens_per_s:>10.1f} {speedup:>7.2f}x"
+            f" {r.same_tokens_as_first:>9.0%} {r.matching_tokens:>9.1%} {mfu:>5} {ttft:>9}"
+            f" {prefill:>11}"
         )
     lines.append(f"(speedup relative to: {base.label}; prompt tokens in all: {base.prompt_tokens})")
+    peaks = {r.dtype: r.matmul_peak_flops for r in results if r.matmul_peak_flops}
+    if peaks:
+        measured = ", ".join(f"{dtype} {peak / 1e9:.0f} GFLOP/s" for dtype, peak in peaks.items())
+        lines.append(
+            f"(MFU: the workload's {base.model_flops / 1e12:.2f} TFLOP per second over the"
+            f" measured matmul peak: {measured})"
+        )
     return "\n".join(lines)
 
 

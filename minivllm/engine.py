@@ -21,6 +21,7 @@ import torch
 from minivllm.attention import PagedKVCache
 from minivllm.block_manager import KVCacheManager
 from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, resolve_device, resolve_dtype
+from minivllm.cpu_allocator import keep_freed_memory_in_process
 from minivllm.model_loader import load_model, load_tokenizer, resolve_model_path
 from minivllm.model_runner import ModelRunner
 from minivllm.naive import CausalAttention
@@ -46,6 +47,8 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_process()  # steps reuse activation memory without page faults
         self.model_path = resolve_model_path(config.model)
         self.model = load_model(self.model_path, self.dtype, self.device)
         self.tokenizer = load_tokenizer(self.model_path)

@@ -1,0 +1,107 @@
+"""The benchmark harness's own arithmetic: the FLOP count behind the MFU column, token agreement
+between methods, method specs with a dtype, and the CPU allocator setting every method runs with.
+
+The FLOP count is checked against PyTorch's own counter (`FlopCounterMode`) running the model,
+not against a second copy of the formula.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+from minivllm.benchmark import (
+    BenchmarkContext,
+    matching_token_share,
+    model_flops,
+    run_benchmark,
+)
+from minivllm.cpu_allocator import keep_freed_memory_in_process
+from minivllm.workloads import Workload
+
+
+class NoAttention:
+    """A backend that returns the queries: no FLOPs, so the counter sees only linear layers."""
+
+    def __call__(self, layer_index, q, k, v):
+        return q
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("prompt_length,output_length", [(1, 1), (7, 3), (30, 12)])
+def test_model_flops_equals_pytorchs_count_plus_attention_pairs(
+    tiny_models, family, prompt_length, output_length
+):
+    """Linear layers and the LM head as PyTorch counts them while the model runs the tokens a
+    request feeds through it, plus attention: position t meets t + 1 keys, 4 FLOPs per head
+    dimension each (QK^T and PV), summed pair by pair."""
+    model, _ = tiny_models(family)
+    config = model.config
+    fed = prompt_length + output_length - 1  # the last generated token is never fed back
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        hidden = model(torch.zeros(fed, dtype=torch.long), torch.arange(fed), NoAttention())
+        model.compute_logits(hidden[-output_length:])
+    pairs = sum(t + 1 for t in range(fed))
+    attention = 4 * config.num_heads * config.head_dim * config.num_layers * pairs
+
+    expected = counter.get_total_flops() + attention
+    assert model_flops(config, [prompt_length], [output_length]) == expected
+
+
+def test_model_flops_adds_up_over_requests(tiny_models):
+    config = tiny_models("llama")[0].config
+    both = model_flops(config, [5, 9], [2, 4])
+    assert both == model_flops(config, [5], [2]) + model_flops(config, [9], [4])
+
+
+token_lists = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=12), min_size=1, max_size=6)
+
+
+@settings(max_examples=100, deadline=None)
+@given(reference=token_lists, data=st.data())
+def test_matching_token_share_counts_tokens_before_the_first_difference(reference, data):
+    assert matching_token_share(reference, reference) == 1.0
+    # Change one token in each request: what comes before it still counts, the rest does not.
+    positions = [data.draw(st.integers(0, len(r) - 1)) for r in reference]
+    changed = [r[:p] + [r[p] + 1] + r[p + 1 :] for r, p in zip(reference, positions)]
+    total = sum(len(r) for r in reference)
+    assert matching_token_share(changed, reference) == pytest.approx(sum(positions) / total)
+
+
+def test_unknown_method_or_dtype_is_refused_by_name(tiny_model_dirs):
+    ctx = BenchmarkContext.load(tiny_model_dirs["llama"])
+    workload = Workload("tiny", [[1, 2, 3]], [2], "one request")
+    with pytest.raises(ValueError, match="'warp-drive'"):
+        run_benchmark(ctx, workload, ["engine", "warp-drive"])
+    with pytest.raises(ValueError, match="float33"):
+        run_benchmark(ctx, workload, ["engine@float33"])
+
+
+def test_dtypes_run_side_by_side_in_one_benchmark(tiny_model_dirs):
+    """The spec "engine@bfloat16" runs the engine with the model in bfloat16 next to float32;
+    the float32 methods agree token for token, and every result says its dtype and its MFU."""
+    ctx = BenchmarkContext.load(tiny_model_dirs["mistral"])
+    workload = Workload("tiny", [[5, 6, 7, 8], [9] * 13, [3, 1]], [4, 6, 3], "three requests")
+    results = run_benchmark(ctx, workload, ["engine", "static", "engine@bfloat16"])
+
+    engine, static, engine_bf16 = results
+    assert [r.dtype for r in results] == ["float32", "float32", "bfloat16"]
+    assert static.same_tokens_as_first == static.matching_tokens == 1.0
+    assert engine_bf16.label.endswith("bf16")
+    assert 0.0 <= engine_bf16.matching_tokens <= 1.0
+    assert engine.matmul_peak_flops != engine_bf16.matmul_peak_flops  # measured per dtype
+    for r in results:
+        assert r.output_tokens == sum(workload.output_lengths)
+        assert 0.0 < r.mfu < 1.0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux's")
+def test_allocator_setting_is_accepted_by_glibc():
+    """mallopt returns 1 for each setting it accepts, 0 for one it refuses (a threshold over
+    glibc's maximum, say)."""
+    assert keep_freed_memory_in_process() is True
