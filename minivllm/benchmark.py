@@ -249,6 +249,9 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
             ctx.engines[name] = LLM(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, **args)
         warm_up = [{"prompt_token_ids": [1, 2, 3, 4]}]  # shares no block with the workload
         ctx.engines[name].generate(warm_up, SamplingParams(max_tokens=2), use_tqdm=False)
+        # Every run starts cold: an engine reused for a second workload would otherwise find
+        # the first one's prompts in its prefix cache.
+        ctx.engines[name].reset_prefix_cache()
 
     def run(ctx: BenchmarkContext, workload: Workload) -> MethodOutput:
         llm = ctx.engines[name]

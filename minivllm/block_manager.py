@@ -170,6 +170,16 @@ class KVCacheManager:
         # sequence's last blocks are the least likely to be shared, so they go first.
         self.pool.free(list(reversed(blocks)))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached prefixes (vLLM's `reset_prefix_cache`), e.g. between benchmark
+        runs. Only possible while no request holds a block: a live request's blocks are named
+        and will be looked up again. Returns whether the cache was reset."""
+        if self.pool.num_free_blocks < self.pool.num_blocks:
+            return False
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return True
+
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat pool indices of the K/V of the request's tokens at positions start..end-1:
         slot = block_id * block_size + offset."""

@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--methods",
         default="hf,hf-static,static,engine",
         help="comma-separated, from: hf, hf-static, hf-cb, naive, kv-cache, static, "
-        "engine-no-prefix-cache, engine",
+        "engine-no-prefix-cache, engine; ':N' sets a batch size (hf-cb: a token budget), "
+        "'@bfloat16' a dtype, e.g. hf-static:64,engine,engine@bfloat16",
     )
     bench.add_argument("--baseline", default=None, help="method the speedups are relative to")
     bench.add_argument("--batch-size", type=int, default=16, help="rows per static batch")

@@ -178,6 +178,10 @@ class LLMEngine:
                 if not sequence.is_finished:
                     self.scheduler.abort_request(sequence)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while requests hold blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

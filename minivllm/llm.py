@@ -82,6 +82,10 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); False while requests are running."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_metrics(self) -> list[Metric]:
         """The engine's metrics (KV-cache usage, running/waiting requests, preemptions, token
         counts), under vLLM's names."""

@@ -109,3 +109,8 @@ class PrefixCache:
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self.hash_of_block
+
+    def clear(self) -> None:
+        """Forget every name: all cached prefixes are computed again from now on."""
+        self.block_of_hash.clear()
+        self.hash_of_block.clear()

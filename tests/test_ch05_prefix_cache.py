@@ -571,6 +571,26 @@ def test_a_follow_up_turn_finds_the_blocks_of_the_reply(tiny_dir, tiny_greedy):
     assert second.outputs[0].token_ids == tiny_greedy(follow_up, 8)
 
 
+def test_reset_prefix_cache_forgets_every_prefix_but_not_while_blocks_are_held(tiny_dir):
+    """After `reset_prefix_cache()` the same prompt finds nothing; while a request holds blocks
+    the reset is refused and nothing is forgotten."""
+    prompt = random_prompt(3 * BLOCK_SIZE + 2, seed=560)
+    llm = tiny_llm(tiny_dir)
+    generate(llm, [prompt], 2)
+    assert generate(llm, [prompt], 1)[0].num_cached_tokens == 3 * BLOCK_SIZE
+    engine = llm.llm_engine
+    engine.add_request("holder", {"prompt_token_ids": prompt}, greedy(4))
+    engine.step()  # "holder" holds blocks now
+    named = dict(engine.kv_cache_manager.prefix_cache.block_of_hash)
+    assert llm.reset_prefix_cache() is False
+    assert engine.kv_cache_manager.prefix_cache.block_of_hash == named
+    engine.abort_request("holder")
+
+    assert llm.reset_prefix_cache() is True
+    assert generate(llm, [prompt], 1)[0].num_cached_tokens == 0
+    assert_pool_is_empty(engine)
+
+
 @pytest.mark.parametrize("length", [1, 4, 7, 16, 17])
 def test_whole_prompt_hit_recomputes_the_last_token(length, tiny_dir, tiny_greedy):
     """The same prompt twice: the second time every full block is cached except that at least
