@@ -43,7 +43,8 @@ notebooks: setup
 	HF_HUB_OFFLINE=1 $(PY) scripts/run_notebooks.py notebooks/*.ipynb
 
 bench: setup
-	HF_HUB_OFFLINE=1 $(PY) -m minivllm bench --num-requests 16 --methods hf,naive,kv-cache,static --baseline naive
+	HF_HUB_OFFLINE=1 $(PY) -m minivllm bench --num-requests 64 --baseline hf \
+		--methods engine-no-prefix-cache,engine,engine-no-prefix-cache@bfloat16,static:64,hf-static:64,hf-static:16,hf-cb:512,hf
 
 clean:
 	rm -rf $(VENV)
