@@ -256,8 +256,9 @@ def _batched_decode_attention(
 
     Grouped-query attention is folded into the query length: the `group` query heads that
     share a K/V head become `group` queries of that one head. All of a sequence's decode
-    queries sit at the same position and share one mask, so this is exactly GQA, and SDPA
-    gets plain multi-head shapes (no `enable_gqa`), which its fused CPU kernel takes.
+    queries sit at the same position and share one mask, so this is exactly GQA; and SDPA's
+    CPU kernel, which works one (sequence, head) pair at a time, then reads each K/V head once
+    for its `group` queries instead of once per query head (`enable_gqa`).
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = kv.shape[-2]
