@@ -8,10 +8,17 @@ naive loop.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
-from minivllm.benchmark import BenchmarkContext, device_label, format_table, run_benchmark
+from minivllm.benchmark import (
+    BenchmarkContext,
+    MethodResult,
+    device_label,
+    format_table,
+    run_benchmark,
+)
 from minivllm.llm import LLM
 from minivllm.sampling import SamplingParams
 from minivllm.workloads import throughput_workload
@@ -21,10 +28,12 @@ TOUR_QUESTION = "What is the capital of France? Answer in one sentence."
 TOUR_METHODS = ["hf", "naive", "kv-cache", "static", "engine-no-prefix-cache", "engine"]
 
 
-def run_tour(quick: bool = False) -> None:
+def run_tour(quick: bool = False, model: str | Path | None = None) -> list[MethodResult]:
+    """Print the answer and the table; returns the benchmark results. `model` defaults to the
+    embedded SmolLM2 (any local Llama-family directory works, the tests use a tiny one)."""
     start = time.perf_counter()
-    llm = LLM(dtype="float32", device="cpu")
-    print(f"Loaded the embedded model in {time.perf_counter() - start:.1f} s.\n")
+    llm = LLM(model, dtype="float32", device="cpu")
+    print(f"Loaded the model in {time.perf_counter() - start:.1f} s.\n")
     print(f"Q: {TOUR_QUESTION}")
     answer = llm.chat(
         [{"role": "user", "content": TOUR_QUESTION}],
@@ -47,3 +56,4 @@ def run_tour(quick: bool = False) -> None:
     print(f"Workload: {workload.description}; {device_label()}, float32, greedy.")
     results = run_benchmark(ctx, workload, TOUR_METHODS)
     print(format_table(results, baseline="naive"))
+    return results

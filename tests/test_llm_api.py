@@ -212,3 +212,18 @@ def test_cli_generate(capsys, tiny_model_dirs):
         main(["generate", "Hello", "--model", str(tiny_model_dirs["llama"]), "--temperature", "-1"])
     assert exit_info.value.code == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_tour_runs_every_chapter_and_they_agree(capsys, tiny_model_dirs):
+    """`minivllm tour` end to end on a tiny model: the question and an answer are printed, then
+    one row per chapter's method, all with transformers' tokens (the first method)."""
+    from minivllm.tour import TOUR_METHODS, TOUR_QUESTION, run_tour
+
+    results = run_tour(quick=True, model=tiny_model_dirs["mistral"])
+    printed = capsys.readouterr().out
+    assert f"Q: {TOUR_QUESTION}" in printed and "\nA: " in printed
+    assert [r.method for r in results] == TOUR_METHODS
+    for result in results:
+        assert result.label in printed
+        assert result.same_tokens_as_first == 1.0
+        assert result.output_tokens == 4 * 16

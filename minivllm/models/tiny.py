@@ -14,7 +14,12 @@ from pathlib import Path
 import torch
 
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+)
 
 
 def tiny_hf_config(family: str, vocab_size: int, **overrides):
