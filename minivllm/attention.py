@@ -66,14 +66,18 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         width = max(len(table) for table in block_tables)
         padded = [table + [0] * (width - len(table)) for table in block_tables]
+        seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.long, device=device)
+        block_tables_tensor = torch.tensor(padded, dtype=torch.long, device=device)
         return cls(
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             query_start_loc=torch.tensor(_starts(query_lens), dtype=torch.long, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.long, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+            seq_lens=seq_lens_tensor,
+            block_tables=block_tables_tensor,
             query_lens_list=list(query_lens),
             seq_lens_list=list(seq_lens),
-            decode_groups=_decode_groups(query_lens, seq_lens, block_tables, device),
+            decode_groups=_decode_groups(
+                query_lens, seq_lens, block_tables, seq_lens_tensor, block_tables_tensor
+            ),
         )
 
     @property
@@ -85,28 +89,31 @@ def _decode_groups(
     query_lens: list[int],
     seq_lens: list[int],
     block_tables: list[list[int]],
-    device: torch.device | str,
+    seq_lens_tensor: torch.Tensor,
+    block_tables_tensor: torch.Tensor,
 ) -> list[DecodeGroup]:
     """Sort the decoding sequences (one query each) by length and cut them into groups.
 
     A padded batch costs as much as if every member were as long as its longest one: with
     contexts spread over 20..360 tokens, one group of 64 would copy and attend over about
     twice the real tokens. Groups of similar lengths pad each only to its own longest member.
+    The lists give the sorting and sizes without a device sync; the step's tensors give each
+    group's rows.
     """
+    device = block_tables_tensor.device
     decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
     starts = _starts(query_lens)
     groups = []
     for start in range(0, len(decodes), DECODE_GROUP_SIZE):
         members = decodes[start : start + DECODE_GROUP_SIZE]
-        lens = torch.tensor([seq_lens[i] for i in members], device=device)
+        index = torch.tensor(members, device=device)
         longest = seq_lens[members[-1]]
         width = max(len(block_tables[i]) for i in members)
-        tables = [block_tables[i] + [0] * (width - len(block_tables[i])) for i in members]
-        mask = torch.arange(longest, device=device)[None, :] < lens[:, None]
+        mask = torch.arange(longest, device=device)[None, :] < seq_lens_tensor[index, None]
         groups.append(
             DecodeGroup(
                 rows=torch.tensor([starts[i] for i in members], device=device),
-                block_tables=torch.tensor(tables, dtype=torch.long, device=device),
+                block_tables=block_tables_tensor[index, :width],
                 mask=mask[:, None, None, :],
                 longest=longest,
             )

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from minivllm.config import ModelConfig
+from minivllm.config import ModelConfig, resolve_dtype
 from minivllm.cpu_allocator import keep_freed_memory_in_process
 from minivllm.kv_cache import generate_static_batch
 from minivllm.model_loader import load_model, load_tokenizer, resolve_model_path
@@ -333,7 +333,7 @@ def run_benchmark(
     side in one run. With `measure_peak`, each dtype's matmul peak is measured once, for the
     model-FLOPs utilisation column.
     """
-    specs = [_parse_method(name) for name in method_names]
+    specs = [_parse_method(name, ctx.device) for name in method_names]
     keep_freed_memory_in_process()  # process-wide: the same allocator for every method
     prompt_lengths = [len(prompt) for prompt in workload.prompts]
     flops = model_flops(ctx.model.config, prompt_lengths, workload.output_lengths)
@@ -381,7 +381,7 @@ def run_benchmark(
     return results
 
 
-def _parse_method(spec: str) -> tuple[Method, str, torch.dtype | None]:
+def _parse_method(spec: str, device: torch.device | str) -> tuple[Method, str, torch.dtype | None]:
     """ "hf-static:64@bfloat16" -> (the hf-static method, "64", torch.bfloat16)."""
     name_and_setting, _, dtype_name = spec.partition("@")
     name, _, setting = name_and_setting.partition(":")
@@ -389,9 +389,10 @@ def _parse_method(spec: str) -> tuple[Method, str, torch.dtype | None]:
         raise ValueError(f"unknown benchmark method {spec!r}; choose from {list(METHODS)}")
     dtype = None
     if dtype_name:
-        dtype = getattr(torch, dtype_name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {dtype_name!r} in benchmark method {spec!r}")
+        try:
+            dtype = resolve_dtype(dtype_name, torch.device(device))
+        except ValueError as error:
+            raise ValueError(f"benchmark method {spec!r}: {error}") from None
     return METHODS[name], setting, dtype
 
 
