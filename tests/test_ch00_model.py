@@ -52,10 +52,16 @@ def assert_logits_close(
 
 
 def test_embedded_model_logits_match_transformers(embedded_model, hf_embedded_model, chat_prompts):
-    """Our SmolLM2 gives transformers' logits at every position (float32): the model is right."""
+    """Our SmolLM2 gives transformers' logits at every position (float32): the model is right.
+
+    On CPU our products run on oneDNN and transformers' on the BLAS library (models/linear.py):
+    both exact float32, summed in different orders, which after 30 layers moves logits of size
+    ~30 by up to ~2e-4. The bugs this test is for (a wrong rotary pairing, a missing norm weight)
+    move them by whole units.
+    """
     prompt = chat_prompts[1]
     assert_logits_close(
-        our_logits(embedded_model, prompt), hf_logits(hf_embedded_model, prompt), atol=1e-4
+        our_logits(embedded_model, prompt), hf_logits(hf_embedded_model, prompt), atol=3e-4
     )
 
 
