@@ -131,7 +131,8 @@ def load_model_config(path: Path) -> ModelConfig:
 def load_model(
     path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LlamaForCausalLM:
-    """Build our model for the directory's config and fill it with the directory's weights."""
+    """Build our model for the directory's config, fill it with the directory's weights and
+    pack them for the CPU's matrix products (`LlamaForCausalLM.pack_weights`)."""
     config = load_model_config(path)
     # On the meta device, parameters have shapes but no storage: building is instant and the
     # real tensors are assigned from the checkpoint below (no random init thrown away).
@@ -151,6 +152,7 @@ def load_model(
     model.load_state_dict(state, assign=True)
     # Buffers (RoPE frequencies) are computed, not loaded: rebuild them on the real device.
     model.model.rotary_emb = RotaryEmbedding(config).to(device)
+    model.pack_weights()
     return model.eval()
 
 

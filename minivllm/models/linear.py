@@ -1,23 +1,32 @@
-"""Chapter 04 (measurement) — float32 matrix products on the CPU go through oneDNN.
+"""Chapter 04 (measurement) — matrix products on the CPU go through oneDNN, on packed weights.
 
 The step profile of chapter 04 puts two thirds of a CPU decode step inside `aten::mm`. The
 question every profile raises next: is that product as fast as the chip allows? Measuring
-says no. PyTorch hands float32 products to its BLAS library (Intel MKL in the standard x86
-builds); on the AMD EPYC this book measures on, MKL multiplies two 2048 x 2048 float32
-matrices at about 215 GFLOP/s, while oneDNN, the deep-learning library PyTorch also ships
-(and already uses for bfloat16), reaches about 480 GFLOP/s on the same product: the chip's
-AVX-512 units, fully used. The gap is as large for the skinny products of a decode step
-(64 tokens x 576 features): 150 against 300 GFLOP/s.
+says no, twice over.
 
-So every linear layer of our model calls oneDNN's inner-product primitive directly for float32
-CPU tensors, the way vLLM's CPU backend routes its linear layers through oneDNN. Both libraries
-compute in IEEE float32; only the order of the additions differs, so results differ in the
-last bits (about 1e-6 relative), like any two BLAS libraries. bfloat16 already takes this path
-inside `F.linear`, float16 has no fast CPU path in oneDNN here, and GPUs use cuBLAS: all of
-those keep `F.linear`.
+1. The library. PyTorch hands float32 products to its BLAS library (Intel MKL in the standard
+   x86 builds). On the AMD EPYC this book measures on, MKL multiplies two 2048 x 2048 float32
+   matrices at about 215 GFLOP/s; oneDNN, the deep-learning library PyTorch also ships (and
+   already uses for bfloat16), reaches about 480 GFLOP/s on the same product: the chip's
+   AVX-512 units, fully used. For the skinny products of a decode step (64 tokens x 576
+   features) the gap is as large: 150 against 300 GFLOP/s.
+2. The weight layout. A matrix-multiply kernel reads the weight in tiles of its own blocked
+   layout; given a plain row-major matrix, oneDNN rearranges it on every call, a full pass
+   over the weights each step. `pack_weight` does that rearrangement once, at load time, as
+   vLLM's CPU backend does: 1.6x on an 8-token decode step, 1.1x at 64 tokens, 1.4x for
+   bfloat16 at 64 tokens.
 
-How large the gap is depends on the CPU and the PyTorch build; `measure_matmul_peak` in the
-benchmark measures both libraries and reports the better one as the machine's peak.
+So every linear layer of our model calls oneDNN's inner-product operator directly, on a packed
+copy of its weight, for float32 and bfloat16 CPU tensors. Both libraries compute in IEEE
+float32 (for bfloat16, float32 accumulation); only the order of the additions differs, so
+float32 results differ from MKL's in the last bits (about 1e-6 relative), as any two BLAS
+libraries do; packed and plain weights give the same results to that same rounding. float16
+(no fast CPU path here) and GPUs (cuBLAS) keep `F.linear`.
+
+The packed copy costs a second copy of the weights in memory: the plain weights stay, because
+the embedding lookup, `state_dict` and the tests read them. How large the gains are depends on
+the CPU and the PyTorch build; `measure_matmul_peak` in the benchmark measures both libraries
+and reports the better one as the machine's peak.
 """
 
 from __future__ import annotations
@@ -28,23 +37,47 @@ from torch import nn
 
 
 def uses_onednn(x: torch.Tensor) -> bool:
-    """Whether `linear` sends this input to oneDNN rather than to `F.linear`."""
-    return (
-        x.device.type == "cpu" and x.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-    )
+    """Whether `linear` sends a product with this input (or weight) to oneDNN."""
+    if x.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if x.dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return x.dtype == torch.float32
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, like `F.linear`, on the fastest library for x's device and dtype."""
-    if uses_onednn(x):
-        # "none": no activation fused after the product; PyTorch's compiler (inductor) calls
-        # the same operator for the linear layers it lowers to oneDNN.
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] rearranged once into oneDNN's blocked layout (an opaque tensor that
+    only `linear` reads); None where the product does not run on oneDNN."""
+    if not uses_onednn(weight):
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ weight.T + bias, like `F.linear`, on the fastest library for x's device and dtype;
+    `packed_weight`, when given, is `pack_weight(weight)` and is read instead of `weight`."""
+    if not uses_onednn(x):
+        return F.linear(x, weight, bias)
+    # "none": no activation fused after the product. PyTorch's compiler (inductor) calls the
+    # same operator, on weights packed the same way, for the linear layers it lowers to oneDNN.
+    weight = weight if packed_weight is None else packed_weight
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, same names) whose product goes through `linear`."""
+    """`nn.Linear` (same parameters, same names) whose product goes through `linear`, on a
+    packed copy of the weight once `pack` has run."""
+
+    packed_weight: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        """Make the packed copy; call once the weight is final (loaded, in its dtype)."""
+        self.packed_weight = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)

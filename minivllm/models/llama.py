@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.models.linear import Linear, linear
+from minivllm.models.linear import Linear, linear, pack_weight
 
 
 class AttentionBackend(Protocol):
@@ -207,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        # The tied head's embedding matrix in oneDNN's layout, once `pack_weights` has run.
+        self.packed_tied_head: torch.Tensor | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
@@ -221,5 +223,15 @@ class LlamaForCausalLM(nn.Module):
         projecting every prompt token onto a 49k vocabulary would cost more than the rest of
         a small model's forward.
         """
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return linear(hidden, self.model.embed_tokens.weight, packed_weight=self.packed_tied_head)
+
+    def pack_weights(self) -> None:
+        """Rearrange every weight matrix once into the layout the CPU product reads
+        (models/linear.py); a no-op where the products do not run on oneDNN."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head is None:
+            self.packed_tied_head = pack_weight(self.model.embed_tokens.weight)

@@ -1,0 +1,75 @@
+"""Matrix products on oneDNN with packed weights (models/linear.py): the numbers of the
+definition, the packed path really taken by a loaded model, and the same logits without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.model_loader import load_model
+from minivllm.models.linear import Linear, linear, pack_weight, uses_onednn
+from minivllm.naive import CausalAttention
+
+# Tolerances against a float64 product: float32 accumulates in float32; bfloat16 accumulates
+# in float32 and rounds the result to 8 significant bits.
+TOLERANCE = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (1e-2, 1e-4)}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    in_features=st.integers(1, 80),
+    out_features=st.integers(1, 90),
+    with_bias=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    seed=st.integers(0, 2**16),
+)
+def test_linear_is_x_times_weight_transposed_plus_bias(
+    rows, in_features, out_features, with_bias, dtype, seed
+):
+    generator = torch.Generator().manual_seed(seed)
+    x, weight, bias = (
+        torch.randn(*shape, generator=generator).to(dtype)
+        for shape in ((rows, in_features), (out_features, in_features), (out_features,))
+    )
+    bias = bias if with_bias else None
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    rtol, atol = TOLERANCE[dtype]
+    for packed in (None, pack_weight(weight)):
+        result = linear(x, weight, bias, packed_weight=packed)
+        assert result.dtype == dtype and result.shape == (rows, out_features)
+        torch.testing.assert_close(result.double(), exact, rtol=rtol, atol=atol)
+
+
+def test_float16_and_other_devices_keep_pytorchs_product():
+    x, weight = torch.randn(3, 8, dtype=torch.float16), torch.randn(5, 8, dtype=torch.float16)
+    assert not uses_onednn(x) and pack_weight(weight) is None
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+
+
+@pytest.mark.skipif(not uses_onednn(torch.zeros(1)), reason="this PyTorch build has no oneDNN")
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_loaded_model_runs_on_packed_weights_with_the_same_logits(tiny_model_dirs, family):
+    """load_model packs every linear layer (and a tied LM head); dropping the packed copies
+    gives the same logits, to float32 rounding."""
+    model = load_model(tiny_model_dirs[family])
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None for m in linears)
+    assert (model.packed_tied_head is not None) == (model.lm_head is None)
+
+    tokens = torch.arange(1, 12)
+    with torch.inference_mode():
+
+        def logits():
+            hidden = model(tokens, torch.arange(len(tokens)), CausalAttention([0, len(tokens)]))
+            return model.compute_logits(hidden)
+
+        packed = logits()
+        for module in linears:
+            module.packed_weight = None
+        model.packed_tied_head = None
+        plain = logits()
+    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
