@@ -25,7 +25,7 @@ from minivllm.config import ModelConfig, resolve_dtype
 from minivllm.cpu_allocator import keep_freed_memory_in_process
 from minivllm.kv_cache import generate_static_batch
 from minivllm.model_loader import load_model, load_tokenizer, resolve_model_path
-from minivllm.models.linear import linear
+from minivllm.models.linear import linear, pack_weight
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.naive import generate_with_transformers, generate_without_cache
 from minivllm.request import Request
@@ -445,14 +445,16 @@ def model_flops(config: ModelConfig, prompt_lengths: list[int], output_lengths: 
 def measure_matmul_peak(dtype: torch.dtype, device: torch.device | str, size: int = 2048) -> float:
     """The machine's matrix-multiply speed in FLOP/s: the best of a few large square products.
 
-    Both libraries are timed, PyTorch's `torch.mm` and the model's `linear` (oneDNN for float32
-    on CPU, see models/linear.py), and the faster one counts: the peak is what the machine
-    reaches, not what one library reaches on it.
+    Every way the code can multiply is timed, PyTorch's `torch.mm` and the model's `linear`
+    (oneDNN for CPU float32 and bfloat16, on a plain and on a packed weight: see
+    models/linear.py), and the fastest counts: the peak is what the machine reaches, not what
+    one library reaches on it.
     """
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
-    best = min(_best_time(lambda: torch.mm(a, b), device), _best_time(lambda: linear(a, b), device))
-    return 2 * size**3 / best
+    packed = pack_weight(b)
+    products = [lambda: torch.mm(a, b), lambda: linear(a, b), lambda: linear(a, b, None, packed)]
+    return 2 * size**3 / min(_best_time(product, device) for product in products)
 
 
 def _best_time(product: Callable[[], torch.Tensor], device: torch.device | str) -> float:
