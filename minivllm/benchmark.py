@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from minivllm.block_manager import cdiv
 from minivllm.config import ModelConfig, resolve_dtype
 from minivllm.cpu_allocator import keep_freed_memory_in_process
 from minivllm.kv_cache import generate_static_batch
@@ -193,7 +194,15 @@ def _run_transformers_generate_batch(ctx: BenchmarkContext, workload: Workload) 
         eos_token_id=None,
         pad_token_id=0,
     )
-    batching = ContinuousBatchingConfig(max_batch_tokens=ctx.hf_cb_max_batch_tokens)
+    # Room for every request at once, as our engine's pool has. Left to itself, generate_batch
+    # sizes its cache from the memory this process has not used yet (on CPU: total RAM minus
+    # the resident size), which depends on whatever the benchmark ran before.
+    page_size = ContinuousBatchingConfig().page_size
+    lengths = zip(workload.prompts, workload.output_lengths)
+    batching = ContinuousBatchingConfig(
+        max_batch_tokens=ctx.hf_cb_max_batch_tokens,
+        num_blocks=sum(cdiv(len(prompt) + output, page_size) for prompt, output in lengths),
+    )
     results = ctx.hf_model.generate_batch(
         workload.prompts, generation_config=config, continuous_batching_config=batching
     )
