@@ -113,6 +113,16 @@ def test_dtypes_run_side_by_side_in_one_benchmark(tiny_model_dirs):
         assert 0.0 < r.mfu < 1.0
 
 
+def test_transformers_generate_batch_gives_the_tokens_of_generate(tiny_model_dirs):
+    """The "hf-cb" method, transformers' continuous batching with a KV cache sized for the workload,
+    produces the greedy tokens of transformers' `generate` run one request at a time."""
+    ctx = BenchmarkContext.load(tiny_model_dirs["llama"])
+    workload = Workload("tiny", [[5, 6, 7, 8], [9] * 13, [3, 1]], [6, 6, 6], "three requests")
+    one_at_a_time, batched = run_benchmark(ctx, workload, ["hf", "hf-cb:64"], measure_peak=False)
+    assert batched.output_tokens == sum(workload.output_lengths)
+    assert batched.same_tokens_as_first == 1.0
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt is Linux's")
 def test_allocator_setting_is_accepted_by_glibc():
     """mallopt returns 1 for each setting it accepts, 0 for one it refuses (a threshold over
