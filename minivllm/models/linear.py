@@ -31,18 +31,27 @@ and reports the better one as the machine's peak.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
+@functools.cache
+def _onednn_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes oneDNN multiplies on this machine (bfloat16 needs the CPU's support); asked
+    once, not on each of the hundred products of a step."""
+    if not torch.backends.mkldnn.is_available():
+        return frozenset()
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return frozenset({torch.float32, torch.bfloat16})
+    return frozenset({torch.float32})
+
+
 def uses_onednn(x: torch.Tensor) -> bool:
     """Whether `linear` sends a product with this input (or weight) to oneDNN."""
-    if x.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if x.dtype == torch.bfloat16:
-        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return x.dtype == torch.float32
+    return x.device.type == "cpu" and x.dtype in _onednn_dtypes()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
