@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from minivllm.block_manager import cdiv
 from minivllm.config import ModelConfig
+from minivllm.naive import tokens_first_attention
 
 # Decodes are attended in groups of this many sequences of similar length (see `_decode_groups`).
 DECODE_GROUP_SIZE = 16
@@ -244,17 +245,7 @@ def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         query_positions = torch.arange(num_keys - num_queries, num_keys, device=q.device)
         mask = query_positions[:, None] >= torch.arange(num_keys, device=q.device)[None, :]
         is_causal = False
-    # [tokens, heads, dim] -> [1, heads, tokens, dim]: SDPA's fused CPU kernel takes only 4-D
-    # inputs; 3-D ones fall back to the unfused "math" path, 3x slower at 300 tokens.
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None],
-        keys.transpose(0, 1)[None],
-        values.transpose(0, 1)[None],
-        attn_mask=mask,
-        is_causal=is_causal,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
+    return tokens_first_attention(q, keys, values, attn_mask=mask, is_causal=is_causal)
 
 
 def _batched_decode_attention(
