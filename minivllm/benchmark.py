@@ -197,11 +197,10 @@ def _run_transformers_generate_batch(ctx: BenchmarkContext, workload: Workload) 
     # Room for every request at once, as our engine's pool has. Left to itself, generate_batch
     # sizes its cache from the memory this process has not used yet (on CPU: total RAM minus
     # the resident size), which depends on whatever the benchmark ran before.
-    page_size = ContinuousBatchingConfig().page_size
-    lengths = zip(workload.prompts, workload.output_lengths)
-    batching = ContinuousBatchingConfig(
-        max_batch_tokens=ctx.hf_cb_max_batch_tokens,
-        num_blocks=sum(cdiv(len(prompt) + output, page_size) for prompt, output in lengths),
+    batching = ContinuousBatchingConfig(max_batch_tokens=ctx.hf_cb_max_batch_tokens)
+    batching.num_blocks = sum(
+        cdiv(len(prompt) + output, batching.page_size)
+        for prompt, output in zip(workload.prompts, workload.output_lengths)
     )
     results = ctx.hf_model.generate_batch(
         workload.prompts, generation_config=config, continuous_batching_config=batching
@@ -461,14 +460,20 @@ def measure_matmul_peak(dtype: torch.dtype, device: torch.device | str, size: in
     """
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
+    products = [lambda: torch.mm(a, b), lambda: linear(a, b)]
     packed = pack_weight(b)
-    products = [lambda: torch.mm(a, b), lambda: linear(a, b), lambda: linear(a, b, None, packed)]
-    return 2 * size**3 / min(_best_time(product, device) for product in products)
+    if packed is not None:  # only where the product runs on oneDNN
+        products.append(lambda: linear(a, b, packed_weight=packed))
+    return 2 * size**3 / min(best_time(product, device) for product in products)
 
 
-def _best_time(product: Callable[[], torch.Tensor], device: torch.device | str) -> float:
+def best_time(
+    product: Callable[[], torch.Tensor], device: torch.device | str, repeats: int = 6
+) -> float:
+    """Seconds of the fastest of `repeats` calls: the first warms up threads and caches, and
+    other processes only ever add time."""
     best = float("inf")
-    for _ in range(6):  # the first run warms up threads and caches
+    for _ in range(repeats):
         _synchronize(device)
         start = time.perf_counter()
         product()
