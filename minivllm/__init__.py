@@ -3,9 +3,9 @@
 from minivllm import LLM, SamplingParams
 """
 
-from minivllm.llm import LLM
+from minivllm.entrypoints.llm import LLM
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from minivllm.sampling import SamplingParams
+from minivllm.sample.sampling_params import SamplingParams
 
 __all__ = [
     "LLM",

@@ -1,5 +1,5 @@
 """`python -m minivllm ...` is the same as the `minivllm` command."""
 
-from minivllm.cli import main
+from minivllm.entrypoints.cli import main
 
 main()

@@ -9,13 +9,18 @@ for early Mistral), which appear here as plain fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
+from minivllm.utils import as_int, float_in, int_at_least, reject
+
 # model_type in config.json -> the switches that family turns on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+# "auto" and the names registered in attention/backend.py (a test keeps the two in step).
+ATTENTION_BACKEND_NAMES = ("auto", "torch")
 # RoPE variants whose frequencies do not depend on the sequence length, so they can be computed
 # once when the model is built (dynamic NTK scaling would need recomputing per step).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -142,51 +147,80 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 # The KV-cache budget on the CPU when none is given: enough for 64 sequences of ~700 tokens of
 # the embedded model in float32, small next to a laptop's memory.
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
-SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """One engine setting: its default, the help text the CLI shows, and (for a string) the
+    values it may take. `LLM(...)`, the CLI flags and validation are all derived from these."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
 class EngineConfig:
-    """Everything `LLM(...)` and `minivllm serve` accept, checked in one place (vLLM spelling)."""
+    """Every setting of the engine, declared once, with vLLM's names.
 
-    model: str | None = None
-    dtype: str | torch.dtype = "auto"
-    device: str | torch.device = "auto"
-    seed: int = 0
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_memory_bytes: int | None = None  # CPU default: DEFAULT_CPU_KV_CACHE_BYTES
-    gpu_memory_utilization: float = 0.9
-    scheduling_policy: str = "fcfs"
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
+    `LLM(**settings)` builds this; `minivllm generate/chat/bench` get one flag per field
+    (`--max-num-seqs`, `--no-enable-prefix-caching`, ...); a new setting is one line here.
+    """
+
+    model: str | None = setting(
+        None, "a local Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    dtype: str | torch.dtype = setting(
+        "auto",
+        "weights and KV cache: auto is float32 on CPU, bfloat16 on CUDA",
+        ("auto", "float32", "float", "bfloat16", "float16", "half"),
+    )
+    device: str | torch.device = setting("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
+    seed: int = setting(0, "seed of the random draws of requests that bring no seed")
+    block_size: int = setting(16, "tokens per KV-cache block")
+    max_num_seqs: int = setting(64, "most requests running at once")
+    max_num_batched_tokens: int = setting(2048, "token budget of one step, prefills and decodes")
+    max_model_len: int | None = setting(
+        None, "longest prompt + output (default: the model's context, or what the pool holds)"
+    )
+    kv_cache_memory_bytes: int | None = setting(
+        None, f"KV-cache size in bytes (CPU default: {DEFAULT_CPU_KV_CACHE_BYTES})"
+    )
+    gpu_memory_utilization: float = setting(
+        0.9, "share of GPU memory for weights, activations and KV cache"
+    )
+    scheduling_policy: str = setting(
+        "fcfs",
+        "fcfs: first come first served; priority: lowest priority value first",
+        SCHEDULING_POLICIES,
+    )
+    enable_chunked_prefill: bool = setting(True, "split long prompts across steps")
+    enable_prefix_caching: bool = setting(True, "share the KV blocks of equal prompt prefixes")
+    attention_backend: str = setting(
+        "auto", "attention kernel: auto picks the best for the device", ATTENTION_BACKEND_NAMES
+    )
 
     def __post_init__(self):
-        _require_int("block_size", self.block_size, 1)
-        _require_int("max_num_seqs", self.max_num_seqs, 1)
-        _require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _require_int("seed", self.seed, None)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            int_at_least(name, getattr(self, name), 1)
+        as_int("seed", self.seed)
         if self.max_model_len is not None:
-            _require_int("max_model_len", self.max_model_len, 2)
+            int_at_least("max_model_len", self.max_model_len, 2)
         if self.kv_cache_memory_bytes is not None:
-            _require_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
-        if not (
-            isinstance(self.gpu_memory_utilization, (int, float))
-            and 0 < self.gpu_memory_utilization <= 1
-        ):
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}"
-            )
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
-            )
+            int_at_least("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
+        float_in("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, False)
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                reject(name, getattr(self, name), "a bool")
+        for item in fields(self):
+            choices, value = item.metadata["choices"], getattr(self, item.name)
+            if choices is not None and isinstance(value, str) and value not in choices:
+                reject(item.name, value, f"one of {', '.join(choices)}")
 
-
-def _require_int(name: str, value, minimum: int | None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments; an unknown one is a TypeError that names it and lists
+        the valid ones (a typo must not be silently ignored)."""
+        names = [item.name for item in fields(cls)]
+        unknown = [name for name in kwargs if name not in names]
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {', '.join(unknown)}; valid: {', '.join(names)}"
+            )
+        return cls(**kwargs)

@@ -1,4 +1,5 @@
-"""What `LLM.generate` returns: vLLM's `RequestOutput` and `CompletionOutput`, field for field.
+"""What comes out: vLLM's `RequestOutput` and `CompletionOutput` (what `LLM.generate` returns,
+field for field), and the model runner's plain-data `ModelRunnerOutput` of one step.
 
 Shared by every chapter's engine, so that code written against minivllm runs on vLLM by
 changing the import.
@@ -7,6 +8,8 @@ changing the import.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from minivllm.sample.sampler import TokenLogprobs
 
 
 @dataclass
@@ -64,3 +67,13 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
     prompt_logprobs: None = field(default=None, repr=False)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns for one step, as plain data: for every request whose step
+    reached the end of its known tokens, the token(s) sampled and their logprobs (None when
+    the request asked for none). A prefill chunk that stops mid-prompt samples nothing."""
+
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs] | None] = field(default_factory=dict)

@@ -17,7 +17,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from minivllm.model_loader import embedded_model_dir, load_model, load_tokenizer  # noqa: E402
+from minivllm.models.loader import embedded_model_dir, load_model, load_tokenizer  # noqa: E402
 from minivllm.models.tiny import TINY_FAMILIES, make_tiny_model  # noqa: E402
 
 # <|im_end|> of SmolLM2-Instruct, and of the tiny models, which share its tokenizer.
@@ -167,3 +167,4 @@ def assert_pool_is_empty(engine) -> None:
     assert manager.block_hashes == {}
     assert manager.num_free_blocks == manager.num_blocks
     assert all(count == 0 for count in manager.pool.ref_counts)
+    manager.check_integrity()

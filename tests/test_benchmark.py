@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from minivllm.benchmark import (
+from minivllm.bench.benchmark import (
     BenchmarkContext,
     matching_token_share,
     model_flops,
     run_benchmark,
 )
-from minivllm.cpu_allocator import keep_freed_memory_in_process
-from minivllm.workloads import Workload
+from minivllm.bench.workloads import Workload
+from minivllm.worker.cpu_allocator import keep_freed_memory_in_process
 
 
 def onednn_linear_flops(x_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:

@@ -16,11 +16,11 @@ from conftest import chat_prompt_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from minivllm.baselines.naive import CausalAttention
 from minivllm.config import ModelConfig
-from minivllm.model_loader import load_model, resolve_model_path
 from minivllm.models.llama import RMSNorm, RotaryEmbedding, apply_rope
+from minivllm.models.loader import load_model, resolve_model_path
 from minivllm.models.tiny import TINY_FAMILIES, make_tiny_model
-from minivllm.naive import CausalAttention
 
 
 @torch.inference_mode()

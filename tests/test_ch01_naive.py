@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from conftest import CHAT_MESSAGES, EOS_TOKEN_ID, hf_generate
 
+from minivllm.baselines.naive import generate_with_transformers, generate_without_cache
 from minivllm.models.tiny import TINY_FAMILIES
-from minivllm.naive import generate_with_transformers, generate_without_cache
 
 MAX_NEW_TOKENS = 20
 

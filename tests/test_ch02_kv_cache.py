@@ -14,12 +14,13 @@ from conftest import EOS_TOKEN_ID, hf_generate
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.kv_cache import ContiguousKVCache, generate_static_batch
-from minivllm.model_loader import load_model
+from minivllm.baselines.kv_cache import ContiguousKVCache, generate_static_batch
+from minivllm.baselines.naive import generate_without_cache
+from minivllm.core.request import Request
+from minivllm.models.loader import load_model
 from minivllm.models.tiny import TINY_FAMILIES
-from minivllm.naive import generate_without_cache
-from minivllm.request import Request
-from minivllm.sampling import Sampler, SamplingParams
+from minivllm.sample.sampler import Sampler
+from minivllm.sample.sampling_params import SamplingParams
 
 
 def greedy_requests(tokenizer, prompts, max_tokens, ignore_eos=False) -> list[Request]:

@@ -26,15 +26,10 @@ from hypothesis.stateful import (
     rule,
 )
 
-from minivllm.attention import (
-    AttentionMetadata,
-    PagedKVCache,
-    TorchPagedAttention,
-    paged_attention,
-    write_kv,
-)
-from minivllm.block_manager import BlockPool, KVCacheManager
+from minivllm.attention.backend import AttentionMetadata, PagedKVCache
+from minivllm.attention.torch_paged import TorchPagedAttention, paged_attention, write_kv
 from minivllm.config import ModelConfig
+from minivllm.core.kv_cache_manager import BlockPool, KVCacheManager
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
 
 ENGINE_FAMILY = ENGINE_TEST_FAMILY
 VOCAB_SIZE = 49152  # the embedded tokenizer's, shared by the tiny models
@@ -126,16 +126,17 @@ class ScheduleLog:
 
         def recording_schedule():
             output = schedule()
+            by_id = {r.request_id: r for r in scheduler.running}
             self.steps.append(
                 [
                     {
-                        "id": s.request.parent_request_id,
-                        "computed": s.request.num_computed_tokens,
-                        "new": s.num_new_tokens,
-                        "prompt_len": len(s.request.prompt_token_ids),
-                        "num_tokens": s.request.num_tokens,
+                        "id": by_id[req_id].parent_request_id,
+                        "computed": by_id[req_id].num_computed_tokens,
+                        "new": num_new,
+                        "prompt_len": len(by_id[req_id].prompt_token_ids),
+                        "num_tokens": by_id[req_id].num_tokens,
                     }
-                    for s in output.scheduled
+                    for req_id, num_new in output.num_scheduled_tokens.items()
                 ]
             )
             self.running_sizes.append(len(scheduler.running))

@@ -37,10 +37,10 @@ from hypothesis.stateful import (
 )
 
 from minivllm import LLM, SamplingParams
-from minivllm.block_manager import KVCacheManager
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine
-from minivllm.prefix_cache import hash_block, hash_blocks
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.prefix_cache import hash_block, hash_blocks
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.tokenizer import apply_chat_template
 
 FAMILY = ENGINE_TEST_FAMILY

@@ -25,7 +25,7 @@ def _rope_on_interleaved_pairs(x, positions, theta):
 
 def _generate_ignoring_eos(model, prompt_token_ids, max_new_tokens, eos_token_id):
     """Forgets to stop at EOS."""
-    from minivllm.naive import generate_without_cache
+    from minivllm.baselines.naive import generate_without_cache
 
     return generate_without_cache(model, prompt_token_ids, max_new_tokens, eos_token_id=None)
 

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.model_loader import load_model
+from minivllm.baselines.naive import CausalAttention
 from minivllm.models.linear import Linear, linear, pack_weight, uses_onednn
-from minivllm.naive import CausalAttention
+from minivllm.models.loader import load_model
 
 # Tolerances against a float64 product: float32 accumulates in float32; bfloat16 accumulates
 # in float32 and rounds the result to 8 significant bits.

@@ -9,7 +9,7 @@ import pytest
 from conftest import CHAT_MESSAGES, EOS_TOKEN_ID
 
 from minivllm import LLM, CompletionOutput, RequestOutput, SamplingParams
-from minivllm.naive import generate_with_transformers
+from minivllm.baselines.naive import generate_with_transformers
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -204,7 +204,7 @@ def test_unknown_model_path_and_architecture(tmp_path, tiny_model_dirs):
 
 def test_cli_generate(capsys, tiny_model_dirs):
     """`minivllm generate` prints a completion; a bad flag value prints an error, exit code 2."""
-    from minivllm.cli import main
+    from minivllm.entrypoints.cli import main
 
     main(["generate", "Hello", "--model", str(tiny_model_dirs["llama"]), "--max-tokens", "4"])
     assert capsys.readouterr().out.strip()
@@ -217,7 +217,7 @@ def test_cli_generate(capsys, tiny_model_dirs):
 def test_tour_runs_every_chapter_and_they_agree(capsys, tiny_model_dirs):
     """`minivllm tour` end to end on a tiny model: the question and an answer are printed, then
     one row per chapter's method, all with transformers' tokens (the first method)."""
-    from minivllm.tour import TOUR_METHODS, TOUR_QUESTION, run_tour
+    from minivllm.bench.tour import TOUR_METHODS, TOUR_QUESTION, run_tour
 
     results = run_tour(quick=True, model=tiny_model_dirs["mistral"])
     printed = capsys.readouterr().out

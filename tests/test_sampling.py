@@ -16,9 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.sampling import (
+from minivllm.sample.sampler import (
     Sampler,
-    SamplingParams,
     SamplingRow,
     apply_min_p,
     apply_penalties,
@@ -26,6 +25,7 @@ from minivllm.sampling import (
     apply_top_p,
     make_generator,
 )
+from minivllm.sample.sampling_params import SamplingParams
 
 settings.register_profile("sampling", max_examples=40, deadline=None)
 settings.load_profile("sampling")

@@ -18,7 +18,7 @@ import pytest  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from minivllm.model_loader import embedded_model_dir, load_tokenizer  # noqa: E402
+from minivllm.models.loader import embedded_model_dir, load_tokenizer  # noqa: E402
 from minivllm.tokenizer import (  # noqa: E402
     IncrementalDetokenizer,
     apply_chat_template,

@@ -17,7 +17,7 @@ def tiny_model_pair():
     """A tiny random Llama as our model and as transformers' (same weights), made once."""
     from transformers import AutoModelForCausalLM
 
-    from minivllm.model_loader import load_model
+    from minivllm.models.loader import load_model
     from minivllm.models.tiny import make_tiny_model
 
     directory = make_tiny_model("llama", tempfile.mkdtemp(prefix="minivllm-tiny-"), seed=0)
@@ -27,7 +27,7 @@ def tiny_model_pair():
 
 
 def _our_generate():
-    from minivllm.naive import generate_without_cache
+    from minivllm.baselines.naive import generate_without_cache
 
     return generate_without_cache
 
@@ -40,7 +40,7 @@ def _our_generate():
 )
 def check_generate_without_cache(generate_without_cache) -> None:
     """Greedy tokens equal transformers' `generate`, including stopping at EOS."""
-    from minivllm.naive import generate_with_transformers
+    from minivllm.baselines.naive import generate_with_transformers
 
     model, hf_model = tiny_model_pair()
     vocab_size = model.config.vocab_size

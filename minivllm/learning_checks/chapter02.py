@@ -73,7 +73,7 @@ def check_kv_bytes_per_token(kv_bytes_per_token) -> None:
 
 
 def _our_decode_attention():
-    from minivllm.kv_cache import DecodeAttention
+    from minivllm.baselines.kv_cache import DecodeAttention
 
     def decode_attention(q, keys, values, seq_lens):
         cache = SimpleNamespace(keys=keys[None].clone(), values=values[None].clone())

@@ -10,7 +10,7 @@ from minivllm.learning_checks import check_settings, learning_check
 
 
 def _our_slot_mapping():
-    from minivllm.block_manager import KVCacheManager
+    from minivllm.core.kv_cache_manager import KVCacheManager
 
     def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
         manager = KVCacheManager(num_blocks=max(block_table, default=0) + 1, block_size=block_size)
@@ -62,16 +62,17 @@ def check_slot_mapping(slot_mapping) -> None:
 def _our_paged_attention():
     from types import SimpleNamespace
 
-    from minivllm.attention import AttentionMetadata, TorchPagedAttention
+    from minivllm.attention.backend import AttentionMetadata, slot_mapping
+    from minivllm.attention.torch_paged import TorchPagedAttention
 
     def attend(q, kv, block_tables, seq_lens, query_lens):
         # The backend as the model calls it: this step's new K/V (here read back from the pool,
         # where they already are) are written at their slots, then attended over.
         block_size = kv.shape[2]
         slots = [
-            table[p // block_size] * block_size + p % block_size
+            slot
             for table, n, m in zip(block_tables, seq_lens, query_lens)
-            for p in range(n - m, n)
+            for slot in slot_mapping(table, block_size, n - m, n)
         ]
         flat = kv.flatten(1, 2)  # [2, slots, kv_heads, head_dim]
         k, v = flat[0, slots], flat[1, slots]

@@ -9,10 +9,10 @@ from minivllm.learning_checks import check_settings, learning_check
 
 
 def _our_schedule_step():
-    from minivllm.block_manager import KVCacheManager
-    from minivllm.request import Request, RequestStatus
-    from minivllm.sampling import SamplingParams
-    from minivllm.scheduler import Scheduler, SchedulerConfig
+    from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.core.request import Request, RequestStatus
+    from minivllm.core.scheduler import Scheduler, SchedulerConfig
+    from minivllm.sample.sampling_params import SamplingParams
 
     def make_request(request_id: str, num_tokens: int, num_computed: int) -> Request:
         return Request(
@@ -45,7 +45,7 @@ def _our_schedule_step():
         waiting_requests = [make_request(f"w{i}", n, 0) for i, n in enumerate(waiting)]
         for request in waiting_requests:
             scheduler.add_request(request)
-        granted = {s.request.request_id: s.num_new_tokens for s in scheduler.schedule().scheduled}
+        granted = scheduler.schedule().num_scheduled_tokens
         return (
             [granted.get(r.request_id, 0) for r in running_requests],
             [granted.get(r.request_id, 0) for r in waiting_requests],

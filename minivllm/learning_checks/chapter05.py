@@ -9,7 +9,7 @@ from minivllm.learning_checks import check_settings, learning_check
 
 
 def _our_block_hashes():
-    from minivllm.prefix_cache import hash_blocks
+    from minivllm.core.prefix_cache import hash_blocks
 
     def block_hashes(token_ids: list[int], block_size: int, salt: str | None) -> list[bytes]:
         return hash_blocks(token_ids, block_size, salt)
@@ -125,7 +125,7 @@ def check_block_hashes(block_hashes) -> None:
 
 
 def _our_cached_prefix_length():
-    from minivllm.prefix_cache import PrefixCache
+    from minivllm.core.prefix_cache import PrefixCache
 
     def cached_prefix_length(
         block_hashes: list[bytes], cached: set[bytes], num_tokens: int, block_size: int

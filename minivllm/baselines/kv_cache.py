@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minivllm.baselines.naive import causal_attention
 from minivllm.config import ModelConfig
+from minivllm.core.request import Request
 from minivllm.models.llama import LlamaForCausalLM
-from minivllm.naive import causal_attention
-from minivllm.request import Request
-from minivllm.sampling import Sampler
+from minivllm.sample.sampler import Sampler
 
 
 class ContiguousKVCache:

@@ -14,59 +14,32 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping
+from typing import Any
 
-import torch
 from tqdm.auto import tqdm
 
 from minivllm.config import EngineConfig
-from minivllm.engine import LLMEngine, Metric
+from minivllm.engine.llm_engine import LLMEngine, Metric
+from minivllm.engine.processor import broadcast_params
 from minivllm.outputs import RequestOutput
-from minivllm.processor import broadcast_params
-from minivllm.sampling import SamplingParams
+from minivllm.sample.sampling_params import SamplingParams
 from minivllm.tokenizer import apply_chat_template
 
 
 class LLM:
     """Load a model once, then generate for batches of prompts.
 
-    Arguments are vLLM's: `model` (a local Hugging Face directory; default: the embedded
-    SmolLM2-135M-Instruct), `dtype`, `device`, `seed`, `block_size`, `max_num_seqs`,
-    `max_num_batched_tokens`, `max_model_len`, `kv_cache_memory_bytes`,
-    `gpu_memory_utilization`, `scheduling_policy`, `enable_chunked_prefill`,
-    `enable_prefix_caching`.
+    `model` is a local Hugging Face directory (default: the embedded SmolLM2-135M-Instruct);
+    the other keyword arguments are the engine settings of `EngineConfig` (config.py), with
+    vLLM's names: dtype, device, seed, block_size, max_num_seqs, max_num_batched_tokens,
+    max_model_len, kv_cache_memory_bytes, gpu_memory_utilization, scheduling_policy,
+    enable_chunked_prefill, enable_prefix_caching, attention_backend. An unknown one raises
+    TypeError.
     """
 
-    def __init__(
-        self,
-        model: str | os.PathLike | None = None,
-        *,
-        dtype: str | torch.dtype = "auto",
-        device: str | torch.device = "auto",
-        seed: int = 0,
-        block_size: int = 16,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        scheduling_policy: str = "fcfs",
-        enable_chunked_prefill: bool = True,
-        enable_prefix_caching: bool = True,
-    ):
-        config = EngineConfig(
-            model=None if model is None else str(model),
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            scheduling_policy=scheduling_policy,
-            enable_chunked_prefill=enable_chunked_prefill,
-            enable_prefix_caching=enable_prefix_caching,
+    def __init__(self, model: str | os.PathLike | None = None, **engine_settings: Any):
+        config = EngineConfig.from_kwargs(
+            model=None if model is None else str(model), **engine_settings
         )
         self.llm_engine = LLMEngine.from_config(config)
         self._request_counter = itertools.count()

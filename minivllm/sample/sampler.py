@@ -17,89 +17,12 @@ produces the same tokens whichever other requests happen to share its batch.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
-from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
 
-# Temperatures below this are treated as greedy, as in vLLM: dividing by a tiny temperature
-# would overflow the logits, and the resulting distribution is argmax anyway.
-GREEDY_TEMPERATURE_THRESHOLD = 1e-5
-
-
-@dataclass
-class SamplingParams:
-    """How one request wants its tokens chosen. Field names and defaults follow vLLM."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 (or -1, normalised to 0) disables top-k
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int | None = 16  # None: generate up to the model's context length
-    min_tokens: int = 0
-    stop: str | list[str] | None = None  # normalised to list[str]
-    stop_token_ids: list[int] | None = None  # normalised to list[int]
-    ignore_eos: bool = False
-    logprobs: int | None = None  # how many top logprobs to return per generated token
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    structured_outputs: Any = None  # placeholder for the structured-output chapter
-
-    def __post_init__(self) -> None:
-        self._validate_integers()
-        self._validate_sampling_knobs()
-        self._validate_penalties()
-        self._validate_stops()
-        self._validate_flags()
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE_THRESHOLD
-
-    def _validate_integers(self) -> None:
-        self.n = _int_at_least("n", self.n, 1)
-        if self.max_tokens is not None:
-            self.max_tokens = _int_at_least("max_tokens", self.max_tokens, 1)
-        self.min_tokens = _int_at_least("min_tokens", self.min_tokens, 0)
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            _reject("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None:
-            self.logprobs = _int_at_least("logprobs", self.logprobs, 0)
-        if self.seed is not None:
-            self.seed = _int("seed", self.seed)
-
-    def _validate_sampling_knobs(self) -> None:
-        self.temperature = _float_in("temperature", self.temperature, low=0.0)
-        self.top_p = _float_in("top_p", self.top_p, low=0.0, high=1.0, low_inclusive=False)
-        self.min_p = _float_in("min_p", self.min_p, low=0.0, high=1.0)
-        top_k = _int("top_k", self.top_k)
-        if top_k < -1:
-            _reject("top_k", top_k, "-1 or >= 0 (-1 and 0 both disable top-k)")
-        self.top_k = max(top_k, 0)
-
-    def _validate_penalties(self) -> None:
-        self.presence_penalty = _float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        self.frequency_penalty = _float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        self.repetition_penalty = _float_in(
-            "repetition_penalty", self.repetition_penalty, low=0.0, low_inclusive=False
-        )
-
-    def _validate_stops(self) -> None:
-        self.stop = _string_list("stop", self.stop)
-        self.stop_token_ids = _token_id_list("stop_token_ids", self.stop_token_ids)
-
-    def _validate_flags(self) -> None:
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                _reject(name, getattr(self, name), "a bool")
+from minivllm.sample.sampling_params import SamplingParams
 
 
 @dataclass
@@ -371,66 +294,3 @@ def _token_counts(
         for ids in token_ids_per_row
     ]
     return torch.stack(counts).to(device, torch.float32)
-
-
-# --- SamplingParams validation helpers: every failure names the field, the value and the rule ---
-
-
-def _reject(name: str, value: object, allowed: str) -> NoReturn:
-    raise ValueError(f"{name} must be {allowed}, got {value!r}")
-
-
-def _int(name: str, value: object) -> int:
-    # bool is an int subclass in Python, but n=True is a bug, not a count.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _reject(name, value, "an int")
-    return int(value)
-
-
-def _int_at_least(name: str, value: object, minimum: int) -> int:
-    number = _int(name, value)
-    if number < minimum:
-        _reject(name, number, f">= {minimum}")
-    return number
-
-
-def _float_in(
-    name: str,
-    value: object,
-    low: float,
-    high: float = math.inf,
-    low_inclusive: bool = True,
-) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        _reject(name, value, "a number")
-    number = float(value)
-    if not math.isfinite(number):
-        _reject(name, number, "a finite number")
-    too_low = number < low if low_inclusive else number <= low
-    if too_low or number > high:
-        lower = f">= {low:g}" if low_inclusive else f"> {low:g}"
-        _reject(name, number, lower if high == math.inf else f"{lower} and <= {high:g}")
-    return number
-
-
-def _string_list(name: str, value: object) -> list[str]:
-    if value is None:
-        return []
-    strings = [value] if isinstance(value, str) else value
-    if not isinstance(strings, list | tuple):
-        _reject(name, value, "None, a str or a list of str")
-    for item in strings:
-        if not isinstance(item, str) or not item:
-            _reject(name, value, "None, a str or a list of str, with no empty strings")
-    return list(strings)
-
-
-def _token_id_list(name: str, value: object) -> list[int]:
-    if value is None:
-        return []
-    if not isinstance(value, list | tuple):
-        _reject(name, value, "None or a list of int token ids")
-    for item in value:
-        if isinstance(item, bool) or not isinstance(item, numbers.Integral) or item < 0:
-            _reject(name, value, "None or a list of int token ids, each >= 0")
-    return [int(item) for item in value]

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from minivllm.models.llama import LlamaForCausalLM
+from minivllm.utils import tokens_first_attention
 
 
 @dataclass
@@ -37,25 +37,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     group of query heads read its shared K/V head without copying it.
     """
     return tokens_first_attention(q, k, v, is_causal=True)
-
-
-def tokens_first_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    is_causal: bool = False,
-) -> torch.Tensor:
-    """PyTorch's `scaled_dot_product_attention` (with `enable_gqa`) for one sequence laid out
-    [tokens, heads, head_dim], the model's layout, which SDPA wants as [batch, heads, tokens,
-    head_dim]. The batch dimension of 1 matters: SDPA's fused CPU kernel takes only 4-D inputs,
-    and 3-D ones fall back to an unfused path that is 3x slower at 300 tokens.
-    """
-    q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=True
-    )
-    return out[0].transpose(0, 1)
 
 
 @torch.inference_mode()

@@ -1,20 +1,13 @@
 """Chapter 03 — paged attention: attend over K/V scattered across the blocks of a pool.
 
 One engine step runs a flat batch that mixes sequences in different phases: some decode one
-token, some prefill a chunk of their prompt. `AttentionMetadata` describes that batch:
-
-    query_start_loc  [0, 1, 2, 130]   sequence i's new tokens are rows qsl[i]:qsl[i+1]
-    seq_lens         [57, 9, 300]     tokens of each sequence *after* this step (context + new)
-    block_tables     [[4, 7, 0, 0],   physical blocks of each sequence, padded
-                      [2, 0, 0, 0],
-                      [1, 3, 5, ...]]
-    slot_mapping     [..]             pool slot of each new token: where its K/V are written
-
-Every attention backend takes this one metadata object. The "torch" backend here is the
-readable reference: write the new K/V at their slots, then for each sequence gather its K/V
-through its block table and run ordinary attention, with a causal mask shifted by the number
-of tokens already in the cache. Decodes (one query each) are batched: one call per group of
-sequences of similar length, prepared once per step in the metadata.
+token, some prefill a chunk of their prompt. `AttentionMetadata` (`attention/backend.py`)
+describes that batch; every attention backend takes it, with the pool, and honours the contract
+written there. The "torch" backend here is the readable reference: write the new K/V at their
+slots, then for each sequence gather its K/V through its block table and run ordinary
+attention, with a causal mask shifted by the number of tokens already in the cache. Decodes
+(one query each) are batched: one call per group of sequences of similar length, prepared once
+per step and reused by every layer.
 """
 
 from __future__ import annotations
@@ -24,11 +17,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minivllm.block_manager import cdiv
-from minivllm.config import ModelConfig
-from minivllm.naive import tokens_first_attention
+from minivllm.attention.backend import (
+    AttentionMetadata,
+    PagedAttentionBackend,
+    PagedKVCache,
+    query_starts,
+)
+from minivllm.utils import cdiv, tokens_first_attention
 
-# Decodes are attended in groups of this many sequences of similar length (see `_decode_groups`).
+# Decodes are attended in groups of this many sequences of similar length (see `decode_groups`).
 DECODE_GROUP_SIZE = 16
 
 
@@ -42,57 +39,7 @@ class DecodeGroup:
     longest: int
 
 
-@dataclass
-class AttentionMetadata:
-    """The shape of one step's flat batch, as the attention kernels need it."""
-
-    slot_mapping: torch.Tensor  # [num_tokens] pool slot of each new token
-    query_start_loc: torch.Tensor  # [num_seqs + 1] where each sequence's new tokens start
-    seq_lens: torch.Tensor  # [num_seqs] context + new tokens of each sequence
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] physical block ids, padded with 0
-    # The same numbers as Python lists, so loops over sequences need no device sync.
-    query_lens_list: list[int]
-    seq_lens_list: list[int]
-    # Decodes grouped for batched attention, prepared once per step and reused by every layer.
-    decode_groups: list[DecodeGroup]
-
-    @classmethod
-    def build(
-        cls,
-        query_lens: list[int],
-        seq_lens: list[int],
-        block_tables: list[list[int]],
-        slot_mapping: list[int],
-        device: torch.device | str = "cpu",
-    ) -> AttentionMetadata:
-        width = max(len(table) for table in block_tables)
-        padded = [table + [0] * (width - len(table)) for table in block_tables]
-        seq_lens_tensor = torch.tensor(seq_lens, dtype=torch.long, device=device)
-        block_tables_tensor = torch.tensor(padded, dtype=torch.long, device=device)
-        return cls(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            query_start_loc=torch.tensor(_starts(query_lens), dtype=torch.long, device=device),
-            seq_lens=seq_lens_tensor,
-            block_tables=block_tables_tensor,
-            query_lens_list=list(query_lens),
-            seq_lens_list=list(seq_lens),
-            decode_groups=_decode_groups(
-                query_lens, seq_lens, block_tables, seq_lens_tensor, block_tables_tensor
-            ),
-        )
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_list)
-
-
-def _decode_groups(
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    seq_lens_tensor: torch.Tensor,
-    block_tables_tensor: torch.Tensor,
-) -> list[DecodeGroup]:
+def decode_groups(metadata: AttentionMetadata) -> list[DecodeGroup]:
     """Sort the decoding sequences (one query each) by length and cut them into groups.
 
     A padded batch costs as much as if every member were as long as its longest one: with
@@ -101,9 +48,12 @@ def _decode_groups(
     The lists give the sorting and sizes without a device sync; the step's tensors give each
     group's rows.
     """
+    query_lens, seq_lens = metadata.query_lens_list, metadata.seq_lens_list
+    block_tables = metadata.block_tables_list
+    seq_lens_tensor, block_tables_tensor = metadata.seq_lens, metadata.block_tables
     device = block_tables_tensor.device
     decodes = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: seq_lens[i])
-    starts = _starts(query_lens)
+    starts = query_starts(query_lens)
     groups = []
     for start in range(0, len(decodes), DECODE_GROUP_SIZE):
         members = decodes[start : start + DECODE_GROUP_SIZE]
@@ -122,43 +72,19 @@ def _decode_groups(
     return groups
 
 
-class PagedKVCache:
-    """The pool: per layer one tensor [2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]."""
-
-    def __init__(
-        self,
-        config: ModelConfig,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ):
-        shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.layers = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
-        ]
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-
-    @staticmethod
-    def num_blocks_for_budget(
-        config: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int
-    ) -> int:
-        """How many blocks a memory budget holds."""
-        return memory_bytes // (block_size * config.kv_bytes_per_token(dtype))
-
-
-@dataclass
-class TorchPagedAttention:
+class TorchPagedAttention(PagedAttentionBackend):
     """The reference backend: plain PyTorch, correct on any device."""
 
-    kv_cache: PagedKVCache
-    metadata: AttentionMetadata
+    name = "torch"
+
+    def __init__(self, kv_cache: PagedKVCache, metadata: AttentionMetadata):
+        super().__init__(kv_cache, metadata)
+        self.decode_groups = decode_groups(metadata)  # once per step, for every layer
 
     def __call__(self, layer_index: int, q, k, v) -> torch.Tensor:
         kv = self.kv_cache.layers[layer_index]
         write_kv(kv, k, v, self.metadata.slot_mapping)
-        return paged_attention(q, kv, self.metadata, new_k=k, new_v=v)
+        return paged_attention(q, kv, self.metadata, self.decode_groups, new_k=k, new_v=v)
 
 
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
@@ -196,20 +122,22 @@ def paged_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
     metadata: AttentionMetadata,
+    groups: list[DecodeGroup] | None = None,
     new_k: torch.Tensor | None = None,
     new_v: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every new token over its own sequence's cached tokens, [tokens, heads, dim].
 
-    `new_k`/`new_v`, when given, are this step's keys and values (already written to the pool
-    `kv`): a sequence whose whole context is new this step reads them directly instead of
-    gathering them back out of its blocks.
+    `groups` are the step's decode groups (made here when not given). `new_k`/`new_v`, when
+    given, are this step's keys and values (already written to the pool `kv`): a sequence
+    whose whole context is new this step reads them directly instead of gathering them back
+    out of its blocks.
     """
     out = torch.empty_like(q)
-    for group in metadata.decode_groups:
+    for group in decode_groups(metadata) if groups is None else groups:
         group_out = _batched_decode_attention(q.index_select(0, group.rows), kv, group)
         out.index_copy_(0, group.rows, group_out)
-    starts = _starts(metadata.query_lens_list)
+    starts = query_starts(metadata.query_lens_list)
     for i, query_len in enumerate(metadata.query_lens_list):
         if query_len > 1:
             start, seq_len = starts[i], metadata.seq_lens_list[i]
@@ -222,14 +150,6 @@ def paged_attention(
                 keys, values = (t[0] for t in gather_kv(kv, table, seq_len))
             out[rows] = _prefill_attention(q[rows], keys, values)
     return out
-
-
-def _starts(query_lens: list[int]) -> list[int]:
-    """Cumulative sums from 0: where each sequence's rows start in the flat batch."""
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    return starts
 
 
 def _prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

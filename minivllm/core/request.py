@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics
-from minivllm.sampling import SamplingParams, SamplingRow, TokenLogprobs, make_generator
+from minivllm.sample.sampler import SamplingRow, TokenLogprobs, make_generator
+from minivllm.sample.sampling_params import SamplingParams
 from minivllm.tokenizer import IncrementalDetokenizer
 
 
@@ -68,8 +69,8 @@ class Request:
         index: int = 0,
     ) -> Request:
         # A seeded request owns its generator so its samples do not depend on what else is in
-        # the batch; completion i of an n > 1 request uses seed + i to differ from its siblings.
-        generator = None if params.seed is None else make_generator(params.seed + index)
+        # the batch. (Completion i of an n > 1 request comes with params.for_completion(i).)
+        generator = None if params.seed is None else make_generator(params.seed)
         detokenizer = IncrementalDetokenizer(
             tokenizer,
             prompt_token_ids,

@@ -21,17 +21,18 @@ from pathlib import Path
 
 import torch
 
-from minivllm.block_manager import cdiv
+from minivllm.baselines.kv_cache import generate_static_batch
+from minivllm.baselines.naive import generate_with_transformers, generate_without_cache
+from minivllm.bench.workloads import Workload
 from minivllm.config import ModelConfig, resolve_dtype
-from minivllm.cpu_allocator import keep_freed_memory_in_process
-from minivllm.kv_cache import generate_static_batch
-from minivllm.model_loader import load_model, load_tokenizer, resolve_model_path
+from minivllm.core.request import Request
 from minivllm.models.linear import linear, pack_weight
 from minivllm.models.llama import LlamaForCausalLM
-from minivllm.naive import generate_with_transformers, generate_without_cache
-from minivllm.request import Request
-from minivllm.sampling import Sampler, SamplingParams
-from minivllm.workloads import Workload
+from minivllm.models.loader import load_model, load_tokenizer, resolve_model_path
+from minivllm.sample.sampler import Sampler
+from minivllm.sample.sampling_params import SamplingParams
+from minivllm.utils import cdiv
+from minivllm.worker.cpu_allocator import keep_freed_memory_in_process
 
 
 @dataclass
@@ -251,7 +252,7 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
     """Our engine, built once per method (untimed) with `engine_args` on top of the context's."""
 
     def setup(ctx: BenchmarkContext, workload: Workload) -> None:
-        from minivllm.llm import LLM
+        from minivllm.entrypoints.llm import LLM
 
         if name not in ctx.engines:
             args = ctx.engine_args | engine_args

@@ -6,35 +6,37 @@
         for output in engine.step():          # every request that got a token this step
             print(output.request_id, output.outputs[0].text, output.finished)
 
-`step()` is the loop of design §5: the scheduler picks tokens under the budget (allocating KV
-blocks, preempting if needed), the model runner runs them as one flat batch over the paged
-cache, the scheduler appends the sampled tokens and retires finished requests, and the engine
-turns the updated requests into vLLM `RequestOutput`s. The async server drives this same loop.
+`step()` is one turn of the loop:
+
+    Scheduler.schedule()          -> SchedulerOutput (plain data: who runs, how many tokens)
+    Executor.execute_model(...)   -> ModelRunnerOutput (plain data: the sampled tokens)
+    Scheduler.update_from_output  -> append tokens, check stop rules, free finished requests
+    -> RequestOutput for every request that advanced (text detokenized incrementally)
+
+The scheduler picks tokens under the budget (allocating KV blocks, preempting if needed); the
+executor hands the step to the worker(s), whose model runner runs it as one flat batch over the
+paged cache. The engine keeps everything that has to do with text and users (tokenizer,
+detokenizers, stop strings, outputs); the workers keep the model and the pool.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from minivllm.attention import PagedKVCache
-from minivllm.block_manager import KVCacheManager
-from minivllm.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, resolve_device, resolve_dtype
-from minivllm.cpu_allocator import keep_freed_memory_in_process
-from minivllm.model_loader import load_model, load_tokenizer, resolve_model_path
-from minivllm.model_runner import ModelRunner
-from minivllm.naive import CausalAttention
+from minivllm.config import EngineConfig
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.request import Request
+from minivllm.core.scheduler import Scheduler, SchedulerConfig
+from minivllm.engine.processor import Processor
+from minivllm.executor.base import UniProcExecutor
+from minivllm.models.loader import load_model_config, load_tokenizer, resolve_model_path
 from minivllm.outputs import RequestOutput
-from minivllm.processor import Processor
-from minivllm.request import Request
-from minivllm.sampling import Sampler, SamplingParams, make_generator
-from minivllm.scheduler import Scheduler, SchedulerConfig
+from minivllm.sample.sampling_params import SamplingParams
 
 
 @dataclass
 class Metric:
-    """One engine metric, named as vLLM names it (what `/metrics` serves)."""
+    """One engine metric, named as vLLM names it, so tools built for vLLM's metrics read it."""
 
     name: str
     kind: str  # "gauge" or "counter"
@@ -45,21 +47,15 @@ class Metric:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":
-            keep_freed_memory_in_process()  # steps reuse activation memory without page faults
         self.model_path = resolve_model_path(config.model)
-        self.model = load_model(self.model_path, self.dtype, self.device)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.model_config = self.model.config
-
-        num_blocks = self._num_kv_blocks()
+        self.model_config = load_model_config(self.model_path)
+        # The model and its KV pool live in the workers; the engine keeps the requests.
+        self.executor = UniProcExecutor(config, self.model_path)
+        num_blocks = self.executor.determine_num_kv_blocks()
+        self.executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
-        )
-        self.kv_cache = PagedKVCache(
-            self.model_config, num_blocks, config.block_size, self.dtype, self.device
         )
         # A sequence must fit in the context *and* in the pool on its own; otherwise it could
         # preempt everybody and still not run.
@@ -80,8 +76,6 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
         )
-        sampler = Sampler(default_generator=make_generator(config.seed, self.device))
-        self.model_runner = ModelRunner(self.model, self.kv_cache, self.kv_cache_manager, sampler)
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.eos_token_ids = eos_token_ids(self.model_config.hf_config, self.tokenizer)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
@@ -92,43 +86,6 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
-
-    def _num_kv_blocks(self) -> int:
-        """Blocks that fit the KV budget: kv_cache_memory_bytes, or on CUDA what is left of
-        gpu_memory_utilization after a profiling forward at the largest batch."""
-        config = self.config
-        budget = config.kv_cache_memory_bytes
-        if budget is None and self.device.type == "cuda":
-            budget = self._profile_free_gpu_memory()
-        if budget is None:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = PagedKVCache.num_blocks_for_budget(
-            self.model_config, config.block_size, self.dtype, budget
-        )
-        if num_blocks < 1:
-            bytes_per_block = config.block_size * self.model_config.kv_bytes_per_token(self.dtype)
-            raise ValueError(
-                f"kv_cache_memory_bytes={budget} holds no KV block; one block of "
-                f"{config.block_size} tokens needs {bytes_per_block} bytes"
-            )
-        return num_blocks
-
-    @torch.inference_mode()
-    def _profile_free_gpu_memory(self) -> int:
-        """Run the largest batch once (no cache), measure the peak activation memory, and give
-        the KV cache whatever gpu_memory_utilization leaves."""
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.model_config.max_model_len)
-        dummy = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(
-            dummy, torch.arange(num_tokens, device=self.device), CausalAttention([0, num_tokens])
-        )
-        self.model.compute_logits(hidden[-self.config.max_num_seqs :])
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
-        return int(total * self.config.gpu_memory_utilization) - peak
 
     # --- requests ---
 
@@ -157,7 +114,7 @@ class LLMEngine:
                 f"{request_id}#{index}",
                 processed.text,
                 processed.token_ids,
-                params,
+                params.for_completion(index),
                 self.tokenizer,
                 self.eos_token_ids,
                 self.max_model_len,
@@ -183,7 +140,9 @@ class LLMEngine:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """True while requests run or wait, and for one more step after the last one ends,
+        in which the runner is told to forget it."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -196,10 +155,10 @@ class LLMEngine:
         queries_before, hits_before = stats.queries, stats.hits
         scheduler_output = self.scheduler.schedule()
         self.last_step_prefix_cache = (stats.queries - queries_before, stats.hits - hits_before)
-        if not scheduler_output.scheduled:
+        if scheduler_output.is_empty:
             return []
-        sampled = self.model_runner.execute(scheduler_output)
-        updated = self.scheduler.update_from_output(scheduler_output, sampled)
+        runner_output = self.executor.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         parent_ids: dict[str, None] = {}  # requests that advanced, in order, once each
         for sequence in updated:
             if len(sequence.output_token_ids) == 1:

@@ -23,12 +23,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from minivllm.prefix_cache import BlockHash, PrefixCache, hash_blocks
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: how many blocks of size b hold a tokens."""
-    return -(-a // b)
+from minivllm.attention.backend import slot_mapping
+from minivllm.core.prefix_cache import BlockHash, PrefixCache, hash_blocks
+from minivllm.utils import cdiv
 
 
 @dataclass
@@ -180,11 +177,43 @@ class KVCacheManager:
             self.prefix_cache.clear()
         return True
 
+    def check_integrity(self) -> None:
+        """The pool's conservation laws; raises AssertionError naming the first one broken.
+
+        - every block is either free (ref count 0, in the free queue) or used (ref count > 0);
+        - a block's ref count is the number of block tables holding it (no block is owned
+          twice by one request, none is lost);
+        - the prefix cache's two maps are each other's inverse, so every named block can be
+          found by its hash, and a block has at most one name.
+        """
+        pool = self.pool
+        holders = [0] * pool.num_blocks
+        for request_id, table in self.block_tables.items():
+            assert len(set(table)) == len(table), f"{request_id} holds a block twice: {table}"
+            for block_id in table:
+                holders[block_id] += 1
+        for block_id, (count, held) in enumerate(zip(pool.ref_counts, holders)):
+            assert count == held, f"block {block_id}: ref count {count}, in {held} block tables"
+            assert (count == 0) == (block_id in pool.free_queue), (
+                f"block {block_id}: ref count {count} but "
+                f"{'in' if block_id in pool.free_queue else 'not in'} the free queue"
+            )
+        used = sum(count > 0 for count in pool.ref_counts)
+        assert pool.num_free_blocks + used == pool.num_blocks, (
+            f"{pool.num_free_blocks} free + {used} used != {pool.num_blocks} blocks"
+        )
+        if self.prefix_cache is not None:
+            cache = self.prefix_cache
+            assert len(cache.block_of_hash) == len(cache.hash_of_block), "the maps differ in size"
+            for block_hash, block_id in cache.block_of_hash.items():
+                assert cache.hash_of_block.get(block_id) == block_hash, (
+                    f"block {block_id} is found by a hash it is not named by"
+                )
+
     def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
         """Flat pool indices of the K/V of the request's tokens at positions start..end-1:
         slot = block_id * block_size + offset."""
-        table, size = self.block_tables[request_id], self.block_size
-        return [table[p // size] * size + p % size for p in range(start, end)]
+        return slot_mapping(self.block_tables[request_id], self.block_size, start, end)
 
     def slot(self, request_id: str, position: int) -> int:
         """Flat index in the pool of the K/V of the request's token at `position`."""

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import torch
 
-from minivllm.benchmark import (
+from minivllm.bench.benchmark import (
     BenchmarkContext,
     MethodResult,
     device_label,
     format_table,
     run_benchmark,
 )
-from minivllm.llm import LLM
-from minivllm.sampling import SamplingParams
-from minivllm.workloads import throughput_workload
+from minivllm.bench.workloads import throughput_workload
+from minivllm.entrypoints.llm import LLM
+from minivllm.sample.sampling_params import SamplingParams
 
 TOUR_QUESTION = "What is the capital of France? Answer in one sentence."
 # One method per chapter; transformers first, so "same tokens" compares against the oracle.
@@ -43,9 +43,8 @@ def run_tour(quick: bool = False, model: str | Path | None = None) -> list[Metho
     print(f"A: {answer[0].outputs[0].text}\n")
 
     engine = llm.llm_engine
-    ctx = BenchmarkContext(
-        engine.model_path, engine.model, engine.tokenizer, torch.float32, batch_size=8
-    )
+    model = engine.executor.driver_worker.model  # the other methods reuse the loaded weights
+    ctx = BenchmarkContext(engine.model_path, model, engine.tokenizer, torch.float32, batch_size=8)
     num_requests, output_length = (4, 16) if quick else (8, 32)
     workload = throughput_workload(
         engine.tokenizer,

@@ -2,7 +2,7 @@
 
 All checks happen here, before anything reaches an engine: a bad prompt raises a clear
 `TypeError`/`ValueError` naming what was wrong, and no engine state has been touched, so the
-`LLM` (or the server) stays usable for the next call.
+`LLM` stays usable for the next call.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from minivllm.sampling import SamplingParams
+from minivllm.sample.sampling_params import SamplingParams
 from minivllm.tokenizer import encode_prompt
 
 PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': list[int]}"

@@ -1,54 +1,46 @@
 """The command line: `minivllm generate | chat | bench | tour` (also `python -m minivllm`).
 
-Flags use vLLM's spelling (`--max-num-seqs`, `--dtype`, ...) so a vLLM user feels at home.
+The engine flags are derived from `EngineConfig` (config.py), in vLLM's spelling
+(`--max-num-seqs`, `--no-enable-prefix-caching`, ...), so a vLLM user feels at home.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import typing
+
+from minivllm.config import EngineConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # minivllm never reads the network
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The LLM(...) arguments, spelled as vLLM's command line spells them."""
-    parser.add_argument(
-        "--model", default=None, help="local HF directory (default: embedded SmolLM2-135M-Instruct)"
-    )
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    parser.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
-    )
-    parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
-    )
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per field of EngineConfig, spelled as vLLM's command line spells it:
+    `max_num_seqs` -> `--max-num-seqs`; a bool gets `--X` and `--no-X`."""
+    types = typing.get_type_hints(EngineConfig)
+    for item in dataclasses.fields(EngineConfig):
+        flag = "--" + item.name.replace("_", "-")
+        kind = types[item.name]
+        options = {"default": item.default, "help": item.metadata["help"]}
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["type"] = next(t for t in (int, float, str) if _admits(kind, t))
+            options["choices"] = item.metadata["choices"]
+        parser.add_argument(flag, **options)
 
 
-ENGINE_ARG_NAMES = (
-    "dtype",
-    "device",
-    "seed",
-    "block_size",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "kv_cache_memory_bytes",
-    "gpu_memory_utilization",
-    "scheduling_policy",
-    "enable_chunked_prefill",
-    "enable_prefix_caching",
-)
+def _admits(annotation, python_type: type) -> bool:
+    """Whether a field's type (e.g. `int | None`) takes values of `python_type`."""
+    return annotation is python_type or python_type in typing.get_args(annotation)
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    """The EngineConfig fields out of parsed arguments."""
+    return {item.name: getattr(args, item.name) for item in dataclasses.fields(EngineConfig)}
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +53,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def _make_llm(args):
     from minivllm import LLM
 
-    return LLM(args.model, **{name: getattr(args, name) for name in ENGINE_ARG_NAMES})
+    return LLM(**engine_settings(args))
 
 
 def _sampling_params(args):
@@ -98,21 +90,22 @@ def cmd_chat(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from minivllm.benchmark import (
+    from minivllm.bench.benchmark import (
         BenchmarkContext,
         device_label,
         format_table,
         run_benchmark,
         write_json,
     )
+    from minivllm.bench.workloads import make_workload
     from minivllm.config import resolve_device, resolve_dtype
-    from minivllm.workloads import make_workload
 
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     ctx = BenchmarkContext.load(args.model, dtype, batch_size=args.batch_size, device=device)
+    settings = engine_settings(args)
     ctx.engine_args = {
-        name: getattr(args, name) for name in ENGINE_ARG_NAMES if name not in ("dtype", "device")
+        name: value for name, value in settings.items() if name not in ("model", "dtype", "device")
     }
     workload = make_workload(args.workload, ctx.tokenizer, args.num_requests, args.output_len)
     print(f"workload: {workload.description}; {device_label()}; dtype: {dtype}")
@@ -123,7 +116,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_tour(args) -> None:
-    from minivllm.tour import run_tour
+    from minivllm.bench.tour import run_tour
 
     run_tour(quick=args.quick)
 
@@ -134,18 +127,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="complete prompts")
     generate.add_argument("prompt", nargs="+")
-    _add_engine_args(generate)
+    add_engine_args(generate)
     _add_sampling_args(generate)
     generate.set_defaults(func=cmd_generate)
 
     chat = commands.add_parser("chat", help="talk to the model")
     chat.add_argument("--system", default=None, help="a system prompt")
-    _add_engine_args(chat)
+    add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
     bench = commands.add_parser("bench", help="compare generation methods side by side")
-    _add_engine_args(bench)
+    add_engine_args(bench)
     bench.add_argument(
         "--workload",
         default="throughput",

@@ -1,4 +1,4 @@
-"""The shared benchmark workloads (design §7): deterministic, seeded, defined once.
+"""The shared benchmark workloads: deterministic, seeded, defined once.
 
 Every notebook and `minivllm bench` measures on these, so numbers from different chapters
 describe the same work. A workload is a list of prompts (token ids, built with the model's

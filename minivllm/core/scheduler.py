@@ -22,12 +22,17 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from minivllm.block_manager import KVCacheManager
-from minivllm.prefix_cache import PrefixCacheStats
-from minivllm.request import Request, RequestStatus
-from minivllm.sampling import TokenLogprobs
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.prefix_cache import PrefixCacheStats
+from minivllm.core.request import Request, RequestStatus
+from minivllm.core.scheduler_output import (
+    CachedRequestData,
+    NewRequestData,
+    SchedulerOutput,
+)
+from minivllm.outputs import ModelRunnerOutput
 
 
 @dataclass
@@ -39,26 +44,12 @@ class SchedulerConfig:
 
 
 @dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # tokens of the request computed in this step
+class RunnerView:
+    """What the model runner already knows of a request, so a step sends only what changed."""
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last token, so its logits give a new token.
-        A prefill chunk that stops mid-prompt produces no token."""
-        request = self.request
-        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+    num_block_ids: int  # the first entries of the block table
+    num_output_tokens: int
+    preempted: bool = False  # its blocks were taken: the next step sends a whole new table
 
 
 class Scheduler:
@@ -71,6 +62,8 @@ class Scheduler:
         self.prefix_cache_stats = PrefixCacheStats()  # cumulative, in prompt tokens
         self._arrival_order: dict[str, int] = {}
         self._arrival_counter = itertools.count()
+        self._runner_views: dict[str, RunnerView] = {}  # requests the runner holds
+        self._finished_req_ids: set[str] = set()  # to tell the runner at the next step
 
     def add_request(self, request: Request) -> None:
         self._arrival_order[request.request_id] = next(self._arrival_counter)
@@ -79,11 +72,15 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_finished_requests(self) -> bool:
+        """Requests that ended since the last step, which the runner must still forget."""
+        return bool(self._finished_req_ids)
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating the blocks they need."""
         budget = self.config.max_num_batched_tokens
         granted: dict[str, int] = {}  # request id -> new tokens, in batch order
-        output = SchedulerOutput()
+        preempted: list[Request] = []
 
         # 1. Running requests first: they hold blocks already, and their users are waiting
         #    for the next token.
@@ -95,7 +92,7 @@ class Scheduler:
             while not self.kv_cache_manager.allocate_slots(request.request_id, total):
                 victim = self._pick_victim()
                 self._preempt(victim)
-                output.preempted.append(victim)
+                preempted.append(victim)
                 if victim.request_id in granted:  # already scheduled this step: undo it
                     budget += granted.pop(victim.request_id)
                     index -= 1
@@ -108,7 +105,7 @@ class Scheduler:
 
         # 2. Then waiting requests, in policy order, while budget, seats and blocks last. After
         #    a preemption the pool is short of blocks: admitting anyone would only thrash.
-        while self.waiting and budget > 0 and not output.preempted:
+        while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self._next_waiting()
@@ -135,26 +132,91 @@ class Scheduler:
             granted[request.request_id] = num_new
             budget -= num_new
 
-        by_id = {r.request_id: r for r in self.running}
-        output.scheduled = [ScheduledRequest(by_id[rid], n) for rid, n in granted.items()]
+        output = self._make_output(granted, preempted)
+        self.check_invariants(output)
         return output
 
+    def _make_output(self, granted: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
+        """The step as plain data: new requests whole, the others as what changed."""
+        output = SchedulerOutput(
+            num_scheduled_tokens=granted,
+            preempted_req_ids=[r.request_id for r in preempted],
+            finished_req_ids=self._finished_req_ids,
+        )
+        self._finished_req_ids = set()
+        by_id = {r.request_id: r for r in self.running}
+        for req_id in granted:
+            request = by_id[req_id]
+            table = self.kv_cache_manager.block_tables[req_id]
+            view = self._runner_views.get(req_id)
+            if view is None:
+                output.scheduled_new_reqs.append(
+                    NewRequestData(
+                        req_id=req_id,
+                        prompt_token_ids=list(request.prompt_token_ids),
+                        sampling_params=request.params,
+                        eos_token_ids=request.eos_token_ids,
+                        block_ids=list(table),
+                        num_computed_tokens=request.num_computed_tokens,
+                    )
+                )
+            else:
+                output.scheduled_cached_reqs.append(
+                    CachedRequestData(
+                        req_id=req_id,
+                        new_token_ids=request.output_token_ids[view.num_output_tokens :],
+                        new_block_ids=list(
+                            table if view.preempted else table[view.num_block_ids :]
+                        ),
+                        num_computed_tokens=request.num_computed_tokens,
+                        resumed_from_preemption=view.preempted,
+                    )
+                )
+            self._runner_views[req_id] = RunnerView(len(table), len(request.output_token_ids))
+        return output
+
+    def check_invariants(self, output: SchedulerOutput) -> None:
+        """The rules every step keeps; a broken one is a scheduler bug, so it raises at once."""
+        config = self.config
+        granted = output.num_scheduled_tokens
+        assert output.total_num_scheduled_tokens <= config.max_num_batched_tokens, (
+            f"granted {output.total_num_scheduled_tokens} tokens, the budget is "
+            f"{config.max_num_batched_tokens}"
+        )
+        assert len(self.running) <= config.max_num_seqs, (
+            f"{len(self.running)} requests running, max_num_seqs is {config.max_num_seqs}"
+        )
+        assert all(n > 0 for n in granted.values()), f"an empty grant: {granted}"
+        assert not (output.preempted_req_ids and output.scheduled_new_reqs), (
+            "admitted a new request in a step that preempted: the pool is short of blocks"
+        )
+        for request in self.running:
+            end = request.num_computed_tokens + granted.get(request.request_id, 0)
+            assert end <= request.num_tokens, f"{request.request_id} granted past its tokens"
+            held = len(self.kv_cache_manager.block_tables[request.request_id])
+            assert held * self.kv_cache_manager.block_size >= end, (
+                f"{request.request_id} runs to token {end} with only {held} blocks"
+            )
+
     def update_from_output(
-        self,
-        output: SchedulerOutput,
-        sampled: dict[str, tuple[int, TokenLogprobs | None]],
+        self, output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
         """Advance the scheduled requests, append their new tokens, retire the finished ones.
         Returns the requests that received a token."""
+        by_id = {r.request_id: r for r in self.running}
         updated = []
-        for scheduled in output.scheduled:
-            request = scheduled.request
-            request.num_computed_tokens += scheduled.num_new_tokens
+        for req_id, num_new in output.num_scheduled_tokens.items():
+            request = by_id[req_id]
+            request.num_computed_tokens += num_new
             self.kv_cache_manager.cache_full_blocks(request)
-            if request.request_id not in sampled:
+            token_ids = runner_output.sampled_token_ids.get(req_id)
+            if token_ids is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
-            token_id, token_logprobs = sampled[request.request_id]
-            request.append_token(token_id, token_logprobs)
+            logprobs = runner_output.logprobs.get(req_id) or [None] * len(token_ids)
+            for token_id, token_logprobs in zip(token_ids, logprobs):
+                request.append_token(token_id, token_logprobs)
+                if request.is_finished:
+                    break
             updated.append(request)
             if request.is_finished:
                 self._retire(request)
@@ -176,6 +238,8 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
         self.kv_cache_manager.free(request.request_id)
         self._arrival_order.pop(request.request_id, None)
+        if self._runner_views.pop(request.request_id, None) is not None:
+            self._finished_req_ids.add(request.request_id)
 
     def _pick_victim(self) -> Request:
         """FCFS: the most recently admitted running request. Priority: the lowest-priority
@@ -192,6 +256,8 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        if request.request_id in self._runner_views:
+            self._runner_views[request.request_id].preempted = True
         self.waiting.appendleft(request)
 
     def _next_waiting(self) -> Request:

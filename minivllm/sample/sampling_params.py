@@ -1,0 +1,96 @@
+"""The sampling parameters of one request, vLLM's `SamplingParams`, checked when they are made.
+
+The sampler (`sample/sampler.py`) applies them
+to a batch. Every invalid value raises a `ValueError` that names the field, the value and the
+rule, so a bad request fails before it reaches the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from minivllm.utils import as_int, float_in, int_at_least, reject, string_list, token_id_list
+
+# Temperatures below this are treated as greedy, as in vLLM: dividing by a tiny temperature
+# would overflow the logits, and the resulting distribution is argmax anyway.
+GREEDY_TEMPERATURE_THRESHOLD = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How one request wants its tokens chosen. Field names and defaults follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1, normalised to 0) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: generate up to the model's context length
+    min_tokens: int = 0
+    stop: str | list[str] | None = None  # normalised to list[str]
+    stop_token_ids: list[int] | None = None  # normalised to list[int]
+    ignore_eos: bool = False
+    logprobs: int | None = None  # how many top logprobs to return per generated token
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    structured_outputs: Any = None  # placeholder for the structured-output chapter
+
+    def __post_init__(self) -> None:
+        self._validate_integers()
+        self._validate_sampling_knobs()
+        self._validate_penalties()
+        self._validate_stops()
+        self._validate_flags()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_THRESHOLD
+
+    def for_completion(self, index: int) -> SamplingParams:
+        """The parameters of completion `index` of an n > 1 request: with a seed, completion i
+        samples with seed + i, so that siblings differ and each is reproducible (as in vLLM)."""
+        if self.seed is None or index == 0:
+            return self
+        return replace(self, seed=self.seed + index)
+
+    def _validate_integers(self) -> None:
+        self.n = int_at_least("n", self.n, 1)
+        if self.max_tokens is not None:
+            self.max_tokens = int_at_least("max_tokens", self.max_tokens, 1)
+        self.min_tokens = int_at_least("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            reject("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None:
+            self.logprobs = int_at_least("logprobs", self.logprobs, 0)
+        if self.seed is not None:
+            self.seed = as_int("seed", self.seed)
+
+    def _validate_sampling_knobs(self) -> None:
+        self.temperature = float_in("temperature", self.temperature, low=0.0)
+        self.top_p = float_in("top_p", self.top_p, low=0.0, high=1.0, low_inclusive=False)
+        self.min_p = float_in("min_p", self.min_p, low=0.0, high=1.0)
+        top_k = as_int("top_k", self.top_k)
+        if top_k < -1:
+            reject("top_k", top_k, "-1 or >= 0 (-1 and 0 both disable top-k)")
+        self.top_k = max(top_k, 0)
+
+    def _validate_penalties(self) -> None:
+        self.presence_penalty = float_in("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        self.frequency_penalty = float_in("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        self.repetition_penalty = float_in(
+            "repetition_penalty", self.repetition_penalty, low=0.0, low_inclusive=False
+        )
+
+    def _validate_stops(self) -> None:
+        self.stop = string_list("stop", self.stop)
+        self.stop_token_ids = token_id_list("stop_token_ids", self.stop_token_ids)
+
+    def _validate_flags(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                reject(name, getattr(self, name), "a bool")

@@ -1,0 +1,108 @@
+"""Chapter 04 — the model runner's own view of its requests, and the flat batch of one step.
+
+The runner never sees the scheduler's `Request` objects (chapter 04's scheduler output is plain
+data, `core/scheduler_output.py`). It keeps, per request, just what a forward pass and the
+sampler need: the token ids, the block table, the sampling parameters and the random
+generator. Each step it lays the scheduled tokens side by side:
+
+    scheduled:      A: 1 token (decode)      B: 3 tokens (a prompt chunk, 4 cached before)
+    input_ids       [a9,                     b4, b5, b6]
+    positions       [9,                      4,  5,  6]       each token's place in its sequence
+    slot_mapping    [A.table[2]*16+9,        B.table[0]*16+4, ...]   where its K/V are written
+    sample_rows     [0,                      3]               last row of each sequence that
+                                                              reached the end of its tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.attention.backend import slot_mapping
+from minivllm.sample.sampler import SamplingRow, make_generator
+from minivllm.sample.sampling_params import SamplingParams
+
+
+@dataclass
+class CachedRequestState:
+    """One request as the runner holds it, between the steps it runs in."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    block_ids: list[int]
+    num_computed_tokens: int
+    # A seeded request owns its generator, so its samples do not depend on what else is in
+    # the batch; it lives as long as the request, across preemptions.
+    generator: torch.Generator | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens at positions start..end-1 of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def sampling_row(self) -> SamplingRow:
+        return SamplingRow(
+            params=self.sampling_params,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            generator=self.generator,
+            eos_token_ids=self.eos_token_ids,
+        )
+
+
+def make_request_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's own generator when it has a seed (on the CPU, so a seed gives the same
+    tokens on every device); None draws from the runner's shared one."""
+    return None if params.seed is None else make_generator(params.seed)
+
+
+@dataclass
+class InputBatch:
+    """One step's tokens laid out flat, with what attention and sampling need to know."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]  # new tokens of each sequence
+    seq_lens: list[int]  # context + new tokens of each sequence
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # the row whose logits give each sampling request's next token
+    sample_req_ids: list[str]
+
+
+def prepare_inputs(
+    requests: dict[str, CachedRequestState],
+    num_scheduled_tokens: dict[str, int],
+    block_size: int,
+) -> InputBatch:
+    """Lay out the scheduled tokens of every request side by side, in the scheduler's order.
+
+    A request computes its tokens num_computed..num_computed + n - 1; it samples when that
+    reaches its last known token (a prefill chunk that stops mid-prompt does not).
+    """
+    batch = InputBatch([], [], [], [], [], [], [], [])
+    for req_id, num_new in num_scheduled_tokens.items():
+        state = requests[req_id]
+        start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
+        batch.input_ids += state.token_ids_between(start, end)
+        batch.positions += range(start, end)
+        batch.slot_mapping += slot_mapping(state.block_ids, block_size, start, end)
+        batch.query_lens.append(num_new)
+        batch.seq_lens.append(end)
+        batch.block_tables.append(state.block_ids)
+        if end == state.num_tokens:
+            batch.sample_rows.append(len(batch.input_ids) - 1)
+            batch.sample_req_ids.append(req_id)
+    return batch

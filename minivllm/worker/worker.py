@@ -1,0 +1,111 @@
+"""Chapter 04 — the worker: one device's share of the engine (the model, its KV pool, its runner).
+
+The engine never touches the model or the pool directly; it asks its executor, which asks every
+worker (one here; one per device with tensor parallelism):
+
+    num_blocks = min(worker.determine_num_kv_blocks() for every worker)
+    worker.initialize_kv_cache(num_blocks)               # on every worker
+    output = worker.execute_model(scheduler_output)      # every step, on every worker
+
+Sizing the pool is the worker's job because only it knows its device's memory: on the CPU the
+budget is `kv_cache_memory_bytes` (or a default); on CUDA, what `gpu_memory_utilization` leaves
+after a forward pass of the largest batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from minivllm.attention.backend import (
+    AttentionMetadata,
+    PagedKVCache,
+    get_attention_backend,
+    resolve_attention_backend_name,
+    slot_mapping,
+)
+from minivllm.config import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    EngineConfig,
+    resolve_device,
+    resolve_dtype,
+)
+from minivllm.core.scheduler_output import SchedulerOutput
+from minivllm.models.loader import load_model
+from minivllm.outputs import ModelRunnerOutput
+from minivllm.sample.sampler import Sampler, make_generator
+from minivllm.utils import cdiv
+from minivllm.worker.cpu_allocator import keep_freed_memory_in_process
+from minivllm.worker.model_runner import ModelRunner
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, model_path: Path):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_memory_in_process()  # steps reuse activation memory without page faults
+        self.model = load_model(model_path, self.dtype, self.device)
+        backend_name = resolve_attention_backend_name(config.attention_backend, self.device)
+        self.attention_backend = get_attention_backend(backend_name)
+        self.model_runner: ModelRunner | None = None  # built once the pool's size is known
+
+    def determine_num_kv_blocks(self) -> int:
+        """Blocks that fit the KV budget: kv_cache_memory_bytes, or on CUDA what is left of
+        gpu_memory_utilization after a profiling forward at the largest batch."""
+        config, model_config = self.config, self.model.config
+        budget = config.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            budget = self._profile_free_gpu_memory()
+        if budget is None:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = PagedKVCache.num_blocks_for_budget(
+            model_config, config.block_size, self.dtype, budget
+        )
+        if num_blocks < 1:
+            bytes_per_block = config.block_size * model_config.kv_bytes_per_token(self.dtype)
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no KV block; one block of "
+                f"{config.block_size} tokens needs {bytes_per_block} bytes"
+            )
+        return num_blocks
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the pool and the runner that reads and writes it."""
+        kv_cache = PagedKVCache(
+            self.model.config, num_blocks, self.config.block_size, self.dtype, self.device
+        )
+        sampler = Sampler(default_generator=make_generator(self.config.seed, self.device))
+        self.model_runner = ModelRunner(self.model, kv_cache, self.attention_backend, sampler)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)
+
+    @torch.inference_mode()
+    def _profile_free_gpu_memory(self) -> int:
+        """Run the largest batch once through the real attention backend (on a pool just big
+        enough for it), measure the peak memory, and give the KV cache whatever
+        gpu_memory_utilization leaves."""
+        config, model_config = self.config, self.model.config
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = min(config.max_num_batched_tokens, model_config.max_model_len)
+        table = list(range(cdiv(num_tokens, config.block_size)))
+        pool = PagedKVCache(model_config, len(table), config.block_size, self.dtype, self.device)
+        metadata = AttentionMetadata.build(
+            [num_tokens],
+            [num_tokens],
+            [table],
+            slot_mapping(table, config.block_size, 0, num_tokens),
+            device=self.device,
+        )
+        dummy = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        hidden = self.model(dummy, positions, self.attention_backend(pool, metadata))
+        self.model.compute_logits(hidden[-config.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        _, total = torch.cuda.mem_get_info(self.device)
+        return int(total * config.gpu_memory_utilization) - peak
