@@ -169,7 +169,15 @@ def test_cli_flags_are_the_config_fields(command):
 
 def test_cli_values_reach_the_config():
     args = build_parser().parse_args(
-        ["generate", "hi", "--max-num-seqs", "3", "--no-enable-prefix-caching", "--dtype", "float32"]
+        [
+            "generate",
+            "hi",
+            "--max-num-seqs",
+            "3",
+            "--no-enable-prefix-caching",
+            "--dtype",
+            "float32",
+        ]
     )
     from minivllm.entrypoints.cli import engine_settings
 
@@ -230,7 +238,13 @@ def module_name(path: Path) -> str:
 # of scheduling, the worker nothing of requests, and nothing below the entry points knows them.
 LAYERS = [
     ["minivllm.utils", "minivllm.config"],
-    ["minivllm.sample", "minivllm.models", "minivllm.outputs", "minivllm.tokenizer"],
+    [
+        "minivllm.sample",
+        "minivllm.models",
+        "minivllm.outputs",
+        "minivllm.tokenizer",
+        "minivllm.sequence",
+    ],
     ["minivllm.attention"],
     ["minivllm.baselines", "minivllm.core"],
     ["minivllm.worker"],
@@ -309,7 +323,9 @@ CHAPTERS = sorted((ROOT / "chapters").glob("[0-9][0-9]-*.md"))
 def test_each_chapter_home_module_opens_with_its_chapter(path):
     """The first module on a chapter's '> Module:' line is its home: it says so first."""
     number = path.name[:2]
-    module_line = next(line for line in path.read_text().splitlines() if line.startswith("> Module"))
+    module_line = next(
+        line for line in path.read_text().splitlines() if line.startswith("> Module")
+    )
     home = re.search(r"`(minivllm/[\w/]+\.py)`", module_line).group(1)
     docstring = ast.get_docstring(ast.parse((ROOT / home).read_text()))
     assert docstring.startswith(f"Chapter {number}"), f"{home} opens with {docstring[:40]!r}"

@@ -121,12 +121,17 @@ class ScheduleLog:
     def __init__(self, engine: LLMEngine):
         self.steps: list[list[dict]] = []  # per step: one entry per scheduled request
         self.running_sizes: list[int] = []  # per step: running requests after scheduling
+        self.preempted: list[list[str]] = []  # per step: requests that lost their blocks
+        self.admitted: list[list[str]] = []  # per step: requests that left the waiting queue
         scheduler = engine.scheduler
         schedule = scheduler.schedule
 
         def recording_schedule():
+            waiting_before = {r.request_id for r in scheduler.waiting}
             output = schedule()
             by_id = {r.request_id: r for r in scheduler.running}
+            self.preempted.append(list(output.preempted_req_ids))
+            self.admitted.append([rid for rid in by_id if rid in waiting_before])
             self.steps.append(
                 [
                     {
@@ -479,10 +484,16 @@ def test_scheduler_invariants_on_random_request_streams(stream, seed, tiny, tiny
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
+        engine.kv_cache_manager.check_integrity()
         step += 1
 
-    for scheduled, running in zip(log.steps, log.running_sizes, strict=True):
+    assert sum(map(len, log.preempted)) == engine.scheduler.num_preemptions
+    for scheduled, running, preempted, admitted in zip(
+        log.steps, log.running_sizes, log.preempted, log.admitted, strict=True
+    ):
         assert sum(e["new"] for e in scheduled) <= budget
+        # A step that preempted is short of blocks: admitting anyone would only thrash.
+        assert not (preempted and admitted), f"preempted {preempted} and admitted {admitted}"
         assert len(scheduled) <= max_num_seqs and running <= max_num_seqs
         assert len({e["id"] for e in scheduled}) == len(scheduled)
         assert all(1 <= e["new"] <= e["num_tokens"] - e["computed"] for e in scheduled)

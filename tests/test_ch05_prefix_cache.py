@@ -503,6 +503,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         assert all(cache.block_of_hash[h] == b for b, h in cache.hash_of_block.items())
 
     @invariant()
+    def the_managers_own_integrity_check_agrees(self):
+        self.manager.check_integrity()  # raises if the package's conservation laws disagree
+
+    @invariant()
     def a_named_block_holds_what_its_name_says(self):
         cache = self.manager.prefix_cache
         identities = []
@@ -794,6 +798,7 @@ def run_stream(model_dir, stream, seed: int, enabled: bool):
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output.outputs[0].token_ids
+        engine.kv_cache_manager.check_integrity()
     else:
         raise AssertionError("the requests did not finish in 3000 steps")
     assert_pool_is_empty(engine)

@@ -1,0 +1,1 @@
+"""Attention over the paged KV pool: the backend contract and registry, and the backends."""

@@ -1,0 +1,1 @@
+"""Benchmarks: the shared workloads, the side-by-side harness, and the tour."""

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics
-from minivllm.sample.sampler import SamplingRow, TokenLogprobs, make_generator
+from minivllm.sample.sampler import TokenLogprobs
 from minivllm.sample.sampling_params import SamplingParams
+from minivllm.sequence import SequenceTokens, own_generator
 from minivllm.tokenizer import IncrementalDetokenizer
 
 
@@ -28,7 +29,7 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass
-class Request:
+class Request(SequenceTokens):
     """One sequence being generated."""
 
     request_id: str
@@ -68,9 +69,8 @@ class Request:
         max_model_len: int,
         index: int = 0,
     ) -> Request:
-        # A seeded request owns its generator so its samples do not depend on what else is in
-        # the batch. (Completion i of an n > 1 request comes with params.for_completion(i).)
-        generator = None if params.seed is None else make_generator(params.seed)
+        # (Completion i of an n > 1 request comes with params.for_completion(i), its own seed.)
+        generator = own_generator(params)
         detokenizer = IncrementalDetokenizer(
             tokenizer,
             prompt_token_ids,
@@ -100,32 +100,10 @@ class Request:
         return self.finish_reason is not None
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        """Tokens at positions start..end-1 of prompt + output, without copying the whole list."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
-
-    @property
     def max_tokens(self) -> int:
         """The output budget: max_tokens, or whatever the context leaves when it is None."""
         room = self.max_model_len - len(self.prompt_token_ids)
         return room if self.params.max_tokens is None else min(self.params.max_tokens, room)
-
-    def sampling_row(self) -> SamplingRow:
-        return SamplingRow(
-            params=self.params,
-            prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=self.output_token_ids,
-            generator=self.generator,
-            eos_token_ids=self.eos_token_ids,
-        )
 
     def append_token(self, token_id: int, token_logprobs: TokenLogprobs | None = None) -> None:
         """Record a sampled token, its logprobs, and whether it ends the sequence."""

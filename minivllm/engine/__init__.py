@@ -1,0 +1,1 @@
+"""The engine: requests in, steps through the scheduler and the executor, outputs out."""

@@ -1,0 +1,1 @@
+"""Sampling: the parameters of a request and the batched sampler."""

@@ -20,52 +20,24 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention.backend import slot_mapping
-from minivllm.sample.sampler import SamplingRow, make_generator
 from minivllm.sample.sampling_params import SamplingParams
+from minivllm.sequence import SequenceTokens
 
 
 @dataclass
-class CachedRequestState:
+class CachedRequestState(SequenceTokens):
     """One request as the runner holds it, between the steps it runs in."""
 
     req_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    sampling_params: SamplingParams
+    params: SamplingParams
     eos_token_ids: tuple[int, ...]
     block_ids: list[int]
     num_computed_tokens: int
     # A seeded request owns its generator, so its samples do not depend on what else is in
     # the batch; it lives as long as the request, across preemptions.
     generator: torch.Generator | None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    def token_ids_between(self, start: int, end: int) -> list[int]:
-        """Tokens at positions start..end-1 of prompt + output."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt : end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
-
-    def sampling_row(self) -> SamplingRow:
-        return SamplingRow(
-            params=self.sampling_params,
-            prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=self.output_token_ids,
-            generator=self.generator,
-            eos_token_ids=self.eos_token_ids,
-        )
-
-
-def make_request_generator(params: SamplingParams) -> torch.Generator | None:
-    """The request's own generator when it has a seed (on the CPU, so a seed gives the same
-    tokens on every device); None draws from the runner's shared one."""
-    return None if params.seed is None else make_generator(params.seed)
 
 
 @dataclass

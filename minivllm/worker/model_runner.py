@@ -18,11 +18,8 @@ from minivllm.core.scheduler_output import SchedulerOutput
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sample.sampler import Sampler
-from minivllm.worker.input_batch import (
-    CachedRequestState,
-    make_request_generator,
-    prepare_inputs,
-)
+from minivllm.sequence import own_generator
+from minivllm.worker.input_batch import CachedRequestState, prepare_inputs
 
 
 class ModelRunner:
@@ -86,11 +83,11 @@ class ModelRunner:
                 req_id=new.req_id,
                 prompt_token_ids=list(new.prompt_token_ids),
                 output_token_ids=[],
-                sampling_params=new.sampling_params,
+                params=new.sampling_params,
                 eos_token_ids=new.eos_token_ids,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                generator=make_request_generator(new.sampling_params),
+                generator=own_generator(new.sampling_params),
             )
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
