@@ -81,6 +81,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         granted: dict[str, int] = {}  # request id -> new tokens, in batch order
         preempted: list[Request] = []
+        admitted: list[Request] = []  # left the waiting queue this step
 
         # 1. Running requests first: they hold blocks already, and their users are waiting
         #    for the next token.
@@ -125,6 +126,7 @@ class Scheduler:
             if request.metrics.first_scheduled_time is None:
                 request.num_cached_tokens = num_cached
             self.waiting.remove(request)
+            admitted.append(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             if request.metrics.first_scheduled_time is None:
@@ -133,7 +135,7 @@ class Scheduler:
             budget -= num_new
 
         output = self._make_output(granted, preempted)
-        self.check_invariants(output)
+        self.check_invariants(output, num_admitted=len(admitted))
         return output
 
     def _make_output(self, granted: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
@@ -175,7 +177,7 @@ class Scheduler:
             self._runner_views[req_id] = RunnerView(len(table), len(request.output_token_ids))
         return output
 
-    def check_invariants(self, output: SchedulerOutput) -> None:
+    def check_invariants(self, output: SchedulerOutput, num_admitted: int) -> None:
         """The rules every step keeps; a broken one is a scheduler bug, so it raises at once."""
         config = self.config
         granted = output.num_scheduled_tokens
@@ -187,8 +189,9 @@ class Scheduler:
             f"{len(self.running)} requests running, max_num_seqs is {config.max_num_seqs}"
         )
         assert all(n > 0 for n in granted.values()), f"an empty grant: {granted}"
-        assert not (output.preempted_req_ids and output.scheduled_new_reqs), (
-            "admitted a new request in a step that preempted: the pool is short of blocks"
+        assert not (output.preempted_req_ids and num_admitted), (
+            f"admitted {num_admitted} waiting request(s) in a step that preempted "
+            f"{output.preempted_req_ids}: the pool is short of blocks"
         )
         for request in self.running:
             end = request.num_computed_tokens + granted.get(request.request_id, 0)
