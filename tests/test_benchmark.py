@@ -66,6 +66,48 @@ def test_model_flops_equals_pytorchs_count_plus_attention_pairs(
     assert model_flops(config, [prompt_length], [output_length]) == expected
 
 
+@pytest.mark.parametrize("prompt_length,output_length,cached", [(8, 3, 4), (30, 12, 16), (5, 1, 0)])
+def test_model_flops_leave_out_what_the_prefix_cache_served(
+    tiny_models, prompt_length, output_length, cached
+):
+    """With `cached` prompt tokens served by the prefix cache, the count is what PyTorch counts
+    while the model runs only the other tokens, plus attention for their queries alone (each
+    still meets every earlier key, cached ones included)."""
+    model, _ = tiny_models("llama")
+    config = model.config
+    tokens = prompt_length + output_length - 1
+    fed = tokens - cached
+    with (
+        FlopCounterMode(display=False, custom_mapping=COUNT_ONEDNN) as counter,
+        torch.inference_mode(),
+    ):
+        positions = torch.arange(cached, tokens)
+        hidden = model(torch.zeros(fed, dtype=torch.long), positions, NoAttention())
+        model.compute_logits(hidden[-output_length:])
+    pairs = sum(t + 1 for t in range(cached, tokens))
+    attention = 4 * config.num_heads * config.head_dim * config.num_layers * pairs
+
+    expected = counter.get_total_flops() + attention
+    assert model_flops(config, [prompt_length], [output_length], [cached]) == expected
+
+
+def test_prefix_cached_runs_count_only_computed_flops(tiny_model_dirs):
+    """On prompts that share a prefix (in two waves, so the second finds the first's blocks),
+    the prefix-cached engine computes fewer FLOPs than the workload needs; its MFU counts only
+    those, and its work delivered is the workload's, the same as without the cache."""
+    ctx = BenchmarkContext.load(tiny_model_dirs["mistral"])
+    shared = list(range(10, 42))
+    prompts = [shared + [50 + i, 60 + i] for i in range(4)]
+    workload = Workload(
+        "shared", prompts, [3] * 4, "four requests, one 32-token prefix", num_waves=2
+    )
+    off, on = run_benchmark(ctx, workload, ["engine-no-prefix-cache", "engine"])
+    assert off.model_flops == off.workload_flops == on.workload_flops
+    assert on.prompt_tokens_computed < off.prompt_tokens_computed == workload.num_prompt_tokens
+    assert on.model_flops < on.workload_flops
+    assert 0.0 < on.mfu < 1.0
+
+
 def test_model_flops_adds_up_over_requests(tiny_models):
     config = tiny_models("llama")[0].config
     both = model_flops(config, [5, 9], [2, 4])

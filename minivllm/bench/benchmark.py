@@ -98,7 +98,8 @@ class MethodOutput:
 
     token_ids: list[list[int]]
     ttft_s: list[float] | None = None  # time to first token per request (engine only)
-    prompt_tokens_computed: int | None = None  # prompt tokens not served by the prefix cache
+    # Per request, the prompt tokens the prefix cache served (engine only): work not computed.
+    cached_prompt_tokens: list[int] | None = None
 
 
 @dataclass
@@ -125,7 +126,10 @@ class MethodResult:
     # difference (1.0: identical; a lower dtype typically drifts after a while).
     matching_tokens: float = 1.0
     dtype: str = "float32"
-    model_flops: float = 0.0  # FLOPs the workload needs (`model_flops`), whatever the method
+    # FLOPs computed (`model_flops` without the tokens the prefix cache served): the MFU's.
+    model_flops: float = 0.0
+    # FLOPs the whole workload needs, cached tokens included: the work delivered.
+    workload_flops: float = 0.0
     matmul_peak_flops: float | None = None  # measured peak of this dtype, FLOP/s
     median_ttft_s: float | None = None
     prompt_tokens_computed: int | None = None
@@ -140,10 +144,17 @@ class MethodResult:
 
     @property
     def mfu(self) -> float | None:
-        """Model-FLOPs utilisation: the workload's FLOPs per second over the matmul peak."""
+        """Model-FLOPs utilisation: the FLOPs computed per second over the matmul peak. Tokens
+        the prefix cache served are not computed, so they do not count; it cannot exceed 1."""
         if not self.matmul_peak_flops:
             return None
         return self.model_flops / self.seconds / self.matmul_peak_flops
+
+    @property
+    def delivered_flops_per_s(self) -> float:
+        """The workload's FLOPs (cached tokens included) per second: work delivered, which a
+        prefix cache can push past the machine's peak."""
+        return self.workload_flops / self.seconds
 
 
 def _load_transformers(ctx: BenchmarkContext, workload: Workload) -> None:
@@ -273,9 +284,7 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
         return MethodOutput(
             token_ids=[o.outputs[0].token_ids for o in outputs],
             ttft_s=[o.metrics.time_to_first_token for o in outputs],
-            prompt_tokens_computed=sum(
-                len(o.prompt_token_ids) - o.num_cached_tokens for o in outputs
-            ),
+            cached_prompt_tokens=[o.num_cached_tokens for o in outputs],
         )
 
     return Method(name, label, chapter, run, setup)
@@ -346,7 +355,7 @@ def run_benchmark(
     specs = [_parse_method(name, ctx.device) for name in method_names]
     keep_freed_memory_in_process()  # process-wide: the same allocator for every method
     prompt_lengths = [len(prompt) for prompt in workload.prompts]
-    flops = model_flops(ctx.model.config, prompt_lengths, workload.output_lengths)
+    workload_flops = model_flops(ctx.model.config, prompt_lengths, workload.output_lengths)
     peaks: dict[torch.dtype, float] = {}
     results, first_outputs = [], None
     for name, (method, setting, dtype) in zip(method_names, specs):
@@ -368,6 +377,12 @@ def run_benchmark(
         if not isinstance(output, MethodOutput):
             output = MethodOutput(output)
         outputs = output.token_ids
+        cached = output.cached_prompt_tokens
+        computed_flops = workload_flops
+        if cached is not None:
+            computed_flops = model_flops(
+                ctx.model.config, prompt_lengths, workload.output_lengths, cached
+            )
         first_outputs = first_outputs or outputs
         same = sum(a == b for a, b in zip(outputs, first_outputs)) / workload.num_requests
         results.append(
@@ -382,10 +397,13 @@ def run_benchmark(
                 same_tokens_as_first=same,
                 matching_tokens=matching_token_share(outputs, first_outputs),
                 dtype=str(run_ctx.dtype).removeprefix("torch."),
-                model_flops=flops,
+                model_flops=computed_flops,
+                workload_flops=workload_flops,
                 matmul_peak_flops=peaks.get(run_ctx.dtype),
                 median_ttft_s=statistics.median(output.ttft_s) if output.ttft_s else None,
-                prompt_tokens_computed=output.prompt_tokens_computed,
+                prompt_tokens_computed=None
+                if cached is None
+                else workload.num_prompt_tokens - sum(cached),
             )
         )
     return results
@@ -426,7 +444,12 @@ def matching_token_share(outputs: list[list[int]], reference: list[list[int]]) -
     return matched / total if total else 1.0
 
 
-def model_flops(config: ModelConfig, prompt_lengths: list[int], output_lengths: list[int]) -> float:
+def model_flops(
+    config: ModelConfig,
+    prompt_lengths: list[int],
+    output_lengths: list[int],
+    cached_lengths: list[int] | None = None,
+) -> float:
     """Floating-point operations a workload needs, counted the usual way (a multiply-add is 2).
 
     Per token fed through the model (every prompt token, and every generated token but the
@@ -434,6 +457,10 @@ def model_flops(config: ModelConfig, prompt_lengths: list[int], output_lengths: 
     (logits are only computed where a token is sampled). Attention: a query at position t
     meets t + 1 keys, and QK^T and PV cost 2 each per head dimension. The same count serves
     every method: padding or recomputation is work a method chose, not work the task needs.
+
+    `cached_lengths` (per request, the leading prompt tokens a prefix cache served) leaves
+    out the work those tokens would have needed: their linear layers and their own queries.
+    Later tokens still attend over them, so those pairs count.
     """
     q_size = config.num_heads * config.head_dim
     kv_size = config.num_kv_heads * config.head_dim
@@ -442,12 +469,14 @@ def model_flops(config: ModelConfig, prompt_lengths: list[int], output_lengths: 
         hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * config.intermediate_size
     )
     attention_per_pair = 4 * q_size * config.num_layers
+    cached_lengths = cached_lengths or [0] * len(prompt_lengths)
     flops = 0
-    for prompt_length, output_length in zip(prompt_lengths, output_lengths):
+    for prompt_length, output_length, cached in zip(prompt_lengths, output_lengths, cached_lengths):
         tokens = prompt_length + output_length - 1
-        flops += 2 * linear_weights * tokens
+        flops += 2 * linear_weights * (tokens - cached)
         flops += 2 * hidden * config.vocab_size * output_length
-        flops += attention_per_pair * tokens * (tokens + 1) // 2
+        # Queries at positions cached..tokens-1 meet t + 1 keys each.
+        flops += attention_per_pair * (tokens * (tokens + 1) - cached * (cached + 1)) // 2
     return float(flops)
 
 
@@ -513,8 +542,9 @@ def format_table(results: list[MethodResult], baseline: str | None = None) -> st
     if peaks:
         measured = ", ".join(f"{dtype} {peak / 1e9:.0f} GFLOP/s" for dtype, peak in peaks.items())
         lines.append(
-            f"(MFU: the workload's {base.model_flops / 1e12:.2f} TFLOP per second over the"
-            f" measured matmul peak: {measured})"
+            f"(MFU: the FLOPs each method computed per second over the measured matmul peak:"
+            f" {measured}; the workload needs {base.workload_flops / 1e12:.2f} TFLOP, less"
+            f" what a prefix cache serves)"
         )
     return "\n".join(lines)
 
