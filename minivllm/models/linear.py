@@ -1,6 +1,6 @@
-"""Chapter 04 (measurement) — matrix products on the CPU go through oneDNN, on packed weights.
+"""Appendix A — matrix products on the CPU go through oneDNN, on packed weights.
 
-The step profile of chapter 04 puts two thirds of a CPU decode step inside `aten::mm`. The
+The step profile of appendix A puts two thirds of a CPU decode step inside `aten::mm`. The
 question every profile raises next: is that product as fast as the chip allows? Measuring
 says no, twice over.
 
@@ -9,7 +9,7 @@ says no, twice over.
    float32 matrices at about 220 GFLOP/s; oneDNN, the deep-learning library PyTorch also ships
    (and already uses for bfloat16), reaches about 500 GFLOP/s on the same product. For the
    skinny products of a decode step the gap is as large: 64 tokens through `gate_up_proj`
-   (576 -> 3072 features) run at 204 against 450 GFLOP/s (figure 04-matmul-libraries).
+   (576 -> 3072 features) run at 204 against 450 GFLOP/s (figure A-matmul-libraries).
 2. The weight layout. A matrix-multiply kernel reads the weight in tiles of its own blocked
    layout; given a plain row-major matrix, oneDNN rearranges it on every call, a full pass
    over the weights each step. `pack_weight` does that rearrangement once, at load time, as

@@ -1,4 +1,4 @@
-"""Chapter 04 — keep freed memory in the process: a CPU engine's allocator setting.
+"""Appendix A — keep freed memory in the process: a CPU engine's allocator setting.
 
 Every engine step allocates activations of up to tens of megabytes ([2048 tokens, 3072] floats
 is 25 MB) and frees them a few milliseconds later. With its default settings glibc's `malloc`
