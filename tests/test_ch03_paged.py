@@ -1,9 +1,10 @@
 """Chapter 03 checks: paged KV blocks and paged attention.
 
-The block pool is checked as a state machine: hypothesis runs random sequences of allocations
-and frees and, after every step, checks the bookkeeping a learner can state in one line each
-(every block is either free or in exactly one block table, reference counts match, each table
-has exactly the blocks its tokens need). Paged attention is checked against the definition of
+The block pool is checked as a state machine: hypothesis runs random sequences of allocations,
+shared starts (as chapter 05's prefix cache makes them) and frees and, after every step, checks
+the bookkeeping a learner can state in one line each (every block is either free or held, never
+both; its reference count is the number of tables holding it; each table has exactly the blocks
+its tokens need). Paged attention is checked against the definition of
 attention: a plain float64 softmax over each sequence's own keys, whatever block size, block
 placement, chunk shape or head grouping.
 """
@@ -60,14 +61,19 @@ REQUEST_IDS = st.sampled_from(["a", "b", "c", "d", "e"])
 
 
 class BlockTableMachine(RuleBasedStateMachine):
-    """Random allocate/free sequences over a `KVCacheManager`, next to a model of what each
-    request should hold: just its number of tokens."""
+    """Random allocate/share/free sequences over a `KVCacheManager`, next to a model of what
+    each request should hold: its number of tokens and, in order, the blocks it was given.
+
+    Sharing (what chapter 05's prefix cache does) starts a new request's table with blocks
+    other requests hold, or with free blocks that are revived, so ref counts go above 1 and
+    freeing one holder of a shared block must leave it out of the free queue."""
 
     @initialize(num_blocks=st.integers(1, 16), block_size=st.integers(1, 6))
     def create_pool(self, num_blocks, block_size):
         self.manager = KVCacheManager(num_blocks, block_size)
         self.block_size = block_size
         self.num_tokens: dict[str, int] = {}  # request id -> tokens it has room for
+        self.tables: dict[str, list[int]] = {}  # request id -> its blocks, as the pool gave them
 
     def snapshot(self):
         """Everything the pool and the tables hold, to check that a refusal changes nothing."""
@@ -81,6 +87,18 @@ class BlockTableMachine(RuleBasedStateMachine):
     def table(self, request_id: str) -> list[int]:
         return self.manager.block_tables.get(request_id, [])
 
+    def holders(self, block_id: int, but: str | None = None) -> int:
+        """How many requests (other than `but`) hold the block, by the model."""
+        return sum(block_id in table for rid, table in self.tables.items() if rid != but)
+
+    def record_grant(self, request_id: str, total: int) -> None:
+        """A granted request keeps the blocks it had, in place, and only appends new ones."""
+        table = self.table(request_id)
+        before = self.tables.get(request_id, [])
+        assert table[: len(before)] == before, f"{request_id}'s blocks {before} became {table}"
+        self.num_tokens[request_id] = total
+        self.tables[request_id] = list(table)
+
     @rule(request_id=REQUEST_IDS, more_tokens=st.integers(0, 20))
     def allocate(self, request_id, more_tokens):
         """Ask room for `more_tokens` beyond what the request holds (a new one holds 0): granted
@@ -93,21 +111,77 @@ class BlockTableMachine(RuleBasedStateMachine):
         granted = self.manager.allocate_slots(request_id, total)
         assert granted == fits, f"{extra_blocks} blocks needed, {before[1]} free"
         if granted:
-            self.num_tokens[request_id] = total
+            self.record_grant(request_id, total)
         else:
             assert self.snapshot() == before, "a refused allocation changed the pool"
 
+    @rule(
+        request_id=REQUEST_IDS,
+        picks=st.lists(st.tuples(st.booleans(), st.integers(0, 1000)), min_size=1, max_size=4),
+        extra_tokens=st.integers(0, 12),
+    )
+    def start_with_shared_blocks(self, request_id, picks, extra_tokens):
+        """A new request starts with k shared blocks (each held by someone, or free and revived,
+        as a prefix-cache hit) and room for `extra_tokens` more: granted exactly when its new
+        blocks plus the revived ones are free. Then its table starts with the shared blocks, each
+        of them has one holder more, and a revived block has left the free queue."""
+        if request_id in self.tables:
+            return  # only a new request starts with shared blocks
+        pool = self.manager.pool
+        shared: list[int] = []
+        for prefer_held, choice in picks:
+            held = [b for b in range(pool.num_blocks) if self.holders(b) and b not in shared]
+            free = [b for b in range(pool.num_blocks) if not self.holders(b) and b not in shared]
+            candidates = held if (prefer_held and held) or not free else free
+            if candidates:
+                shared.append(candidates[choice % len(candidates)])
+        total = len(shared) * self.block_size + extra_tokens
+        new_blocks = blocks_for(total, self.block_size) - len(shared)
+        revived = [b for b in shared if not self.holders(b)]
+        fits = new_blocks + len(revived) <= self.manager.num_free_blocks
+        holders_before = [self.holders(b) for b in range(pool.num_blocks)]
+        before = self.snapshot()
+
+        granted = self.manager.allocate_slots(request_id, total, cached_blocks=shared)
+
+        assert granted == fits, (
+            f"sharing {shared} ({len(revived)} revived) + {new_blocks} new blocks, "
+            f"{before[1]} free: granted={granted}"
+        )
+        if not granted:
+            assert self.snapshot() == before, "a refused allocation changed the pool"
+            return
+        self.record_grant(request_id, total)
+        assert self.tables[request_id][: len(shared)] == shared, (
+            f"{request_id}'s table {self.tables[request_id]} does not start with {shared}"
+        )
+        for block_id in shared:
+            assert pool.ref_counts[block_id] == holders_before[block_id] + 1, (
+                f"shared block {block_id}: ref count {pool.ref_counts[block_id]}, "
+                f"expected {holders_before[block_id] + 1}"
+            )
+            assert block_id not in pool.free_queue, f"shared block {block_id} is still free"
+
     @rule(request_id=REQUEST_IDS)
     def free(self, request_id):
-        """Freeing a request returns all of its blocks; freeing an unknown (or already freed)
-        request gives nothing back twice."""
+        """Freeing a request drops one reference to each of its blocks: the blocks nobody else
+        holds return to the free queue, the ones another request still holds stay out of it.
+        Freeing an unknown (or already freed) request gives nothing back twice."""
         blocks = list(self.table(request_id))
+        still_held = [b for b in blocks if self.holders(b, but=request_id)]
+        released = [b for b in blocks if b not in still_held]
         free_before = self.manager.num_free_blocks
         self.manager.free(request_id)
         self.num_tokens.pop(request_id, None)
-        assert self.manager.num_free_blocks == free_before + len(blocks)
+        self.tables.pop(request_id, None)
+        free_queue = self.manager.pool.free_queue
         assert request_id not in self.manager.block_tables
-        assert set(blocks) <= set(self.manager.pool.free_queue)
+        assert set(released) <= set(free_queue), f"blocks {released} were not given back"
+        assert not set(still_held) & set(free_queue), (
+            f"freeing {request_id} put blocks {sorted(set(still_held) & set(free_queue))} back "
+            "in the free queue while another request still holds them"
+        )
+        assert self.manager.num_free_blocks == free_before + len(released)
 
     @precondition(lambda self: self.manager.num_free_blocks > 0)
     @rule(choice=st.integers(0, 1000))
@@ -121,27 +195,31 @@ class BlockTableMachine(RuleBasedStateMachine):
         assert self.snapshot() == before
 
     @invariant()
-    def every_block_is_free_or_in_exactly_one_table(self):
-        """free + used == total; no block in two tables; no block both free and in a table."""
+    def the_tables_are_the_ones_handed_out(self):
+        """The manager's tables are exactly the model's: no block moved, appeared or vanished."""
+        assert self.manager.block_tables == self.tables
+
+    @invariant()
+    def every_block_is_free_or_held_never_both(self):
+        """A block is in the free queue exactly when no table holds it; no table holds a block
+        twice; free + held == total."""
         pool = self.manager.pool
         free = list(pool.free_queue)
-        in_tables = [b for table in self.manager.block_tables.values() for b in table]
-        assert len(set(in_tables)) == len(in_tables), f"a block is in two tables: {in_tables}"
-        assert not set(free) & set(in_tables), "a block is both free and in a table"
-        assert len(free) + len(in_tables) == pool.num_blocks, "free + used != total"
-        assert sorted(free + in_tables) == list(range(pool.num_blocks))
+        held = {b for table in self.tables.values() for b in table}
+        for request_id, table in self.tables.items():
+            assert len(set(table)) == len(table), f"{request_id} holds a block twice: {table}"
+        assert not set(free) & held, f"blocks {sorted(set(free) & held)} are free and held"
+        assert sorted(free + sorted(held)) == list(range(pool.num_blocks)), "free + held != all"
         assert self.manager.num_free_blocks == len(free)
-        assert self.manager.usage == pytest.approx(len(in_tables) / pool.num_blocks)
+        assert self.manager.usage == pytest.approx(len(held) / pool.num_blocks)
 
     @invariant()
     def ref_counts_count_the_tables_holding_a_block(self):
-        """A block's ref count is the number of tables holding it: 0 when free, never negative."""
-        holders = Counter(b for table in self.manager.block_tables.values() for b in table)
+        """A block's ref count is the number of tables holding it: 0 when free, never negative,
+        above 1 when shared."""
         ref_counts = self.manager.pool.ref_counts
-        assert all(count >= 0 for count in ref_counts)
-        assert [ref_counts[b] for b in range(self.manager.num_blocks)] == [
-            holders[b] for b in range(self.manager.num_blocks)
-        ]
+        expected = [self.holders(b) for b in range(self.manager.num_blocks)]
+        assert list(ref_counts) == expected, f"ref counts {ref_counts}, holders {expected}"
 
     @invariant()
     def each_table_has_exactly_the_blocks_its_tokens_need(self):
@@ -164,6 +242,22 @@ def test_freeing_blocks_twice_raises():
     with pytest.raises(ValueError, match="freed more often"):
         pool.free(blocks[:1])
     assert pool.num_free_blocks == 4 and pool.ref_counts == [0, 0, 0, 0]
+
+
+def test_a_shared_block_returns_to_the_free_queue_only_with_its_last_holder():
+    """Block 0 is held by three tables (ref count 3): the first two frees leave it out of the
+    free queue, the third puts it back."""
+    pool = BlockPool(2)
+    [block] = pool.allocate(1)
+    pool.share([block])
+    pool.share([block])
+    assert pool.ref_counts[block] == 3 and block not in pool.free_queue
+    for holders_left in (2, 1):
+        pool.free([block])
+        assert pool.ref_counts[block] == holders_left
+        assert block not in pool.free_queue, f"freed with {holders_left} holder(s) left"
+    pool.free([block])
+    assert pool.ref_counts[block] == 0 and block in pool.free_queue
 
 
 def test_allocating_more_blocks_than_free_raises():

@@ -81,6 +81,66 @@ def _schedule_step_seats_ignore_running(running, waiting, budget, max_num_seqs):
     return got_running, got_waiting
 
 
+def _prepare_inputs_decode_one_position_ahead(
+    token_ids, num_computed, num_scheduled, block_tables, block_size
+):
+    """Lays the batch out right, but gives a decode token position num_computed + 1 (the
+    length of the sequence) instead of num_computed: RoPE would turn it one step too far."""
+    input_ids, positions, slots, sample_rows = [], [], [], []
+    for tokens, start, count, table in zip(token_ids, num_computed, num_scheduled, block_tables):
+        end = start + count
+        input_ids += tokens[start:end]
+        shift = 1 if count == 1 and start > 0 else 0
+        positions += [p + shift for p in range(start, end)]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+        if end == len(tokens):
+            sample_rows.append(len(input_ids) - 1)
+    return input_ids, positions, slots, sample_rows
+
+
+def _schedule_admitting_after_preemption(
+    running, waiting, budget, max_num_seqs, num_blocks, block_size
+):
+    """Preempts the newest running request when the pool runs out, as it should, but then goes
+    on to admit waiting requests in the same step (often the victim's own blocks go to them)."""
+
+    def blocks(num_tokens):
+        return -(-num_tokens // block_size)
+
+    held = [blocks(computed) for computed, _ in running]
+    free = num_blocks - sum(held)
+    kept, preempted = list(range(len(running))), []
+    got_running, got_waiting = [0] * len(running), [0] * len(waiting)
+    index = 0
+    while index < len(kept) and budget > 0:
+        request = kept[index]
+        computed, remaining = running[request]
+        grant = min(remaining, budget)
+        extra = blocks(computed + grant) - held[request]
+        while extra > free and request not in preempted:
+            victim = kept.pop()
+            preempted.append(victim)
+            free += held[victim]
+            held[victim] = 0
+        if request in preempted:
+            break
+        free -= extra
+        held[request] += extra
+        got_running[request] = grant
+        budget -= grant
+        index += 1
+    seats = max_num_seqs - len(kept)
+    for j, prompt_len in enumerate(waiting):  # the mistake: no `if preempted: stop` before
+        grant = min(prompt_len, budget)
+        if grant == 0 or seats == 0 or blocks(grant) > free:
+            break
+        got_waiting[j] = grant
+        free -= blocks(grant)
+        budget -= grant
+        seats -= 1
+    return got_running, got_waiting, preempted, free
+
+
 def _block_hashes_without_chain(token_ids, block_size, salt):
     """Hashes each block's own tokens (and the salt), forgetting the blocks before it: two
     prompts that differ early but share a later block would share that block's K/V."""
@@ -112,6 +172,8 @@ BROKEN = {
     "ch03.slot_mapping": _slot_mapping_without_block_size,
     "ch03.paged_attention": _paged_attention_causal_from_the_top,
     "ch04.schedule_step": _schedule_step_seats_ignore_running,
+    "ch04.prepare_inputs": _prepare_inputs_decode_one_position_ahead,
+    "ch04.schedule_with_preemption": _schedule_admitting_after_preemption,
     "ch05.block_hashes": _block_hashes_without_chain,
     "ch05.cached_prefix_length": _cached_prefix_length_without_last_token,
 }

@@ -177,29 +177,32 @@ def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability(batch, data
 # --- the full sampler ---
 
 
-def reference_support(logits: list[float], params: SamplingParams) -> set[int]:
-    """Tokens the sampler may draw, from the definitions; borderline tokens count as allowed.
+def reference_support(logits: list[float], params: SamplingParams, slack: float = 1e-4) -> set[int]:
+    """Tokens the sampler may draw, from the definitions.
 
-    Temperature scales the logits; top-k, then top-p, then min-p each remove tokens, the later
-    filters seeing the distribution renormalised over what the earlier ones kept.
+    Temperature scales the logits first; then top-k, top-p and min-p each remove tokens, the
+    later filters seeing the distribution renormalised over what the earlier ones kept. A
+    positive `slack` counts tokens within `slack` of a threshold (or of a tie) as kept: the
+    tokens the sampler *may* draw. A negative one counts them as removed: the tokens it *must*
+    keep. (Each filter keeps more when the one before it kept more, so both bounds are sound.)
     """
     scaled = [x / params.temperature for x in logits]
 
-    def clearly_above(j: int, i: int) -> bool:
-        return scaled[j] - scaled[i] > 1e-4
+    def above(j: int, i: int) -> bool:
+        return j != i and scaled[j] - scaled[i] > slack
 
     alive = set(range(len(logits)))
     if 0 < params.top_k < len(logits):
-        alive = {i for i in alive if sum(clearly_above(j, i) for j in alive) < params.top_k}
-    if params.top_p < 1.0:
+        alive = {i for i in alive if sum(above(j, i) for j in alive) < params.top_k}
+    if params.top_p < 1.0 and alive:
         probs = dict(zip(alive, softmax([scaled[i] for i in alive]), strict=True))
         alive = {
-            i
-            for i in alive
-            if sum(probs[j] for j in alive if clearly_above(j, i)) < params.top_p + 1e-4
+            i for i in alive if sum(probs[j] for j in alive if above(j, i)) < params.top_p + slack
         }
+    if not alive:  # only when near-ties count as removed: nothing is certain then
+        return alive
     top = max(scaled[i] for i in alive)
-    return {i for i in alive if math.exp(scaled[i] - top) >= params.min_p - 1e-4}
+    return {i for i in alive if math.exp(scaled[i] - top) >= params.min_p - slack}
 
 
 @given(
@@ -245,6 +248,79 @@ def test_sampled_tokens_cover_exactly_the_hand_computed_support(knobs, expected_
     tokens = Sampler(make_generator(1))(batch, [sampling_row(params)] * draws).token_ids
 
     assert set(tokens) == expected_support
+
+
+# Temperature comes first: it reshapes the distribution that top-p and min-p then cut, so at
+# T != 1 the kept set differs from the one at T = 1. HAND_PROBS ** (1 / T), renormalised:
+#   T = 2:   0.277, 0.219, 0.170, 0.139, 0.107, 0.088  (cumulative 0.277, 0.496, 0.666, 0.805)
+#            ratio to the top: 1, 0.79, 0.61, 0.50, 0.39, 0.32
+#   T = 0.5: 0.615, 0.240, 0.086, 0.038, 0.014, 0.006  (cumulative 0.615, 0.855)
+#            ratio to the top: 1, 0.39, 0.14, 0.06, 0.02, 0.01
+#   T = 2 over the 5 best: 0.304, 0.240, 0.186, 0.152, 0.118  (cumulative 0.304, 0.544, 0.730)
+# Each case names the set T = 1 would keep, which a sampler cutting before it scales gives.
+@pytest.mark.parametrize(
+    ("knobs", "expected_support"),
+    [
+        # 0.666 < 0.7, so token 3 is needed (at T = 1: 0.4 + 0.25 + 0.15 = 0.8, {0, 1, 2})
+        ({"temperature": 2.0, "top_p": 0.7}, {0, 1, 2, 3}),
+        # 0.615 < 0.7 <= 0.855 (at T = 1: {0, 1, 2})
+        ({"temperature": 0.5, "top_p": 0.7}, {0, 1}),
+        # ratios 0.50 >= 0.45 > 0.39 (at T = 1 the ratios are 1, 0.625, 0.375: {0, 1})
+        ({"temperature": 2.0, "min_p": 0.45}, {0, 1, 2, 3}),
+        # ratios 0.39 >= 0.3 > 0.14 (at T = 1 the threshold is 0.12: {0, 1, 2})
+        ({"temperature": 0.5, "min_p": 0.3}, {0, 1}),
+        # over the 5 best, 0.730 < 0.75 (at T = 1: 0.417, 0.677, 0.833: {0, 1, 2})
+        ({"temperature": 2.0, "top_k": 5, "top_p": 0.75}, {0, 1, 2, 3}),
+        # top-k before top-p: over the 3 best, 0.5 < 0.75 <= 0.8125; top-p first would need
+        # 0.4 + 0.25 + 0.15 of the full distribution and keep {0, 1, 2}
+        ({"top_k": 3, "top_p": 0.75}, {0, 1}),
+    ],
+)
+def test_temperature_scales_the_logits_before_top_k_top_p_and_min_p(knobs, expected_support):
+    """The pipeline order, temperature -> top-k -> top-p -> min-p, on hand-worked supports at
+    T = 2 and T = 0.5: every kept token shows up in 3000 draws and nothing else does."""
+    params = SamplingParams(**knobs)
+    draws = 3000
+    batch = torch.tensor([[math.log(p) for p in HAND_PROBS]] * draws)
+
+    tokens = Sampler(make_generator(8))(batch, [sampling_row(params)] * draws).token_ids
+
+    assert set(tokens) == expected_support, (
+        f"{knobs}: drew {sorted(set(tokens))}, the hand-worked support is "
+        f"{sorted(expected_support)}"
+    )
+
+
+@given(
+    logits=st.lists(st.integers(-12, 12).map(lambda quarter: quarter / 4), min_size=2, max_size=8),
+    temperature=st.sampled_from([0.25, 0.5, 0.8, 1.5, 2.0, 4.0]),
+    top_k=st.integers(0, 8),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.floats(0.0, 0.6),
+)
+def test_drawn_tokens_are_exactly_the_reference_support_at_any_temperature(
+    logits, temperature, top_k, top_p, min_p
+):
+    """1000 draws never leave the support the definitions allow, and every token the definitions
+    must keep, at probability 2% or more, is drawn (a miss has probability below 2e-9).
+
+    Unlike the subset test above, this sees a sampler that keeps too few tokens, e.g. one that
+    cuts before it applies the temperature.
+    """
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    draws = 1000
+    batch = torch.tensor([logits] * draws)
+
+    tokens = set(Sampler(make_generator(9))(batch, [sampling_row(params)] * draws).token_ids)
+
+    may_keep = reference_support(logits, params, slack=1e-4)
+    must_keep = reference_support(logits, params, slack=-1e-4)
+    assert tokens <= may_keep, f"drew {sorted(tokens - may_keep)}, which the filters remove"
+    # A lower bound on each kept token's probability: its share of everything that may be kept.
+    scaled = [x / temperature for x in logits]
+    weights = {i: math.exp(scaled[i] - max(scaled)) for i in may_keep}
+    likely = {i for i in must_keep if weights[i] / sum(weights.values()) >= 0.02}
+    assert likely <= tokens, f"never drew {sorted(likely - tokens)}, which the filters keep"
 
 
 def chi_square(observed: list[int], expected_probs: list[float]) -> float:

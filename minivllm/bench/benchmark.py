@@ -24,7 +24,7 @@ import torch
 from minivllm.baselines.kv_cache import generate_static_batch
 from minivllm.baselines.naive import generate_with_transformers, generate_without_cache
 from minivllm.bench.workloads import Workload
-from minivllm.config import ModelConfig, resolve_dtype
+from minivllm.config import EngineConfig, ModelConfig, resolve_dtype
 from minivllm.core.request import Request
 from minivllm.models.linear import linear, pack_weight
 from minivllm.models.llama import LlamaForCausalLM
@@ -234,7 +234,7 @@ def _greedy_params(workload: Workload) -> list[SamplingParams]:
     ]
 
 
-def _greedy_requests(ctx: BenchmarkContext, workload: Workload) -> list[Request]:
+def greedy_requests(ctx: BenchmarkContext, workload: Workload) -> list[Request]:
     return [
         Request.create(
             str(i),
@@ -252,7 +252,7 @@ def _greedy_requests(ctx: BenchmarkContext, workload: Workload) -> list[Request]
 def _run_static_batches(
     ctx: BenchmarkContext, workload: Workload, batch_size: int
 ) -> list[list[int]]:
-    requests = _greedy_requests(ctx, workload)
+    requests = greedy_requests(ctx, workload)
     sampler = Sampler()
     for start in range(0, len(requests), batch_size):
         generate_static_batch(ctx.model, requests[start : start + batch_size], sampler)
@@ -265,8 +265,19 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
     def setup(ctx: BenchmarkContext, workload: Workload) -> None:
         from minivllm.entrypoints.llm import LLM
 
+        args = ctx.engine_args | engine_args
+        if ctx.device.type == "cuda" and "kv_cache_memory_bytes" not in args:
+            # Left to itself, an engine on CUDA takes gpu_memory_utilization (90%) of the GPU,
+            # minus what this process already holds: the next method's engine (each LLM loads
+            # its own copy of the model) would find nothing left. A pool sized for the workload
+            # lets every engine of a run sit side by side. The CPU keeps its default budget.
+            block_size = args.get("block_size", EngineConfig.block_size)
+            budget = workload_kv_cache_bytes(workload, ctx.model.config, ctx.dtype, block_size)
+            args["kv_cache_memory_bytes"] = budget
+            built = ctx.engines.get(name)
+            if built is not None and built.llm_engine.config.kv_cache_memory_bytes < budget:
+                del ctx.engines[name]  # built for a smaller workload: build it again
         if name not in ctx.engines:
-            args = ctx.engine_args | engine_args
             ctx.engines[name] = LLM(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, **args)
         warm_up = [{"prompt_token_ids": [1, 2, 3, 4]}]  # shares no block with the workload
         ctx.engines[name].generate(warm_up, SamplingParams(max_tokens=2), use_tqdm=False)
@@ -288,6 +299,20 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
         )
 
     return Method(name, label, chapter, run, setup)
+
+
+def workload_kv_cache_bytes(
+    workload: Workload, config: ModelConfig, dtype: torch.dtype, block_size: int
+) -> int:
+    """Bytes of a KV pool that holds every request of `workload` at once: each request's prompt
+    and output rounded up to whole blocks, plus an eighth (at least one block) as a margin, for
+    the warm-up request and so that no run sits at the edge of preemption."""
+    blocks = sum(
+        cdiv(len(prompt) + output, block_size)
+        for prompt, output in zip(workload.prompts, workload.output_lengths)
+    )
+    blocks += cdiv(blocks, 8)
+    return blocks * block_size * config.kv_bytes_per_token(dtype)
 
 
 METHODS: dict[str, Method] = {

@@ -20,6 +20,7 @@ from minivllm.bench.benchmark import (
     run_benchmark,
 )
 from minivllm.bench.workloads import throughput_workload
+from minivllm.config import resolve_device
 from minivllm.entrypoints.llm import LLM
 from minivllm.sample.sampling_params import SamplingParams
 
@@ -32,7 +33,9 @@ def run_tour(quick: bool = False, model: str | Path | None = None) -> list[Metho
     """Print the answer and the table; returns the benchmark results. `model` defaults to the
     embedded SmolLM2 (any local Llama-family directory works, the tests use a tiny one)."""
     start = time.perf_counter()
-    llm = LLM(model, dtype="float32", device="cpu")
+    # float32 (the dtype the tokens are checked in), on the GPU when there is one.
+    device = resolve_device("auto")
+    llm = LLM(model, dtype="float32", device=str(device))
     print(f"Loaded the model in {time.perf_counter() - start:.1f} s.\n")
     print(f"Q: {TOUR_QUESTION}")
     answer = llm.chat(

@@ -57,14 +57,48 @@ _CHECKS: dict[str, LearningCheck] = {}
 
 def check_settings(max_examples: int) -> settings:
     """Hypothesis settings for a learning check: no deadline (a learner's first version may be
-    slow), no example database (every run starts fresh), and no "explain" phase, whose
-    line-coverage notes point into library code rather than at the learner's mistake."""
+    slow), no example database (every run starts fresh), no "explain" phase, whose
+    line-coverage notes point into library code rather than at the learner's mistake, and one
+    counterexample per failure: several distinct bugs would otherwise be reported as an
+    ExceptionGroup whose one-line summary shows none of them."""
     return settings(
         max_examples=max_examples,
         deadline=None,
         database=None,
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+        report_multiple_bugs=False,
     )
+
+
+def first_mismatch(got, expected, atol: float, rtol: float = 0.0) -> tuple[int, ...] | None:
+    """Index of the first element, in row-major order, where two tensors of one shape differ by
+    more than atol + rtol * |expected| (NaN counts as different); None when all agree."""
+    wrong = ~_isclose(got, expected, atol, rtol)
+    if not wrong.any():
+        return None
+    return tuple(wrong.nonzero()[0].tolist())
+
+
+def num_mismatches(got, expected, atol: float, rtol: float = 0.0, dims: int = 0) -> int:
+    """How many of the leading index tuples (the first `dims` dimensions, or single elements
+    when dims == 0) hold at least one wrong element."""
+    wrong = ~_isclose(got, expected, atol, rtol)
+    if dims:
+        wrong = wrong.flatten(dims).any(-1)
+    return int(wrong.sum())
+
+
+def show_values(values, limit: int = 8) -> str:
+    """A short vector as `[0.123, -1.5, ...]`: enough digits to compare, at most `limit`."""
+    flat = values.detach().flatten().tolist()
+    shown = [f"{value:.4g}" for value in flat[:limit]]
+    if len(flat) > limit:
+        shown.append(f"... ({len(flat)} values)")
+    return "[" + ", ".join(shown) + "]"
+
+
+def _isclose(got, expected, atol: float, rtol: float):
+    return (got.double() - expected.double()).abs() <= atol + rtol * expected.double().abs()
 
 
 def learning_check(name: str, signature: str, reference: Callable[[], Callable]):

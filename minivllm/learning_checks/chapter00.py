@@ -6,7 +6,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minivllm.learning_checks import check_settings, learning_check
+from minivllm.learning_checks import (
+    check_settings,
+    first_mismatch,
+    learning_check,
+    num_mismatches,
+    show_values,
+)
 
 
 def _our_rms_norm():
@@ -44,9 +50,15 @@ def check_rms_norm(rms_norm) -> None:
         expected = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
         got = rms_norm(x, weight, eps)
         assert got.shape == x.shape, f"shape {tuple(got.shape)}, expected {tuple(x.shape)}"
-        assert torch.allclose(got.double(), expected, rtol=1e-4, atol=1e-5), (
-            f"max difference {(got.double() - expected).abs().max().item():.3g}"
-        )
+        where = first_mismatch(got, expected, atol=1e-5, rtol=1e-4)
+        if where is not None:
+            row = where[0]
+            raise AssertionError(
+                f"row {row}: expected {show_values(expected[row])}, got {show_values(got[row])} "
+                f"for x[{row}] = {show_values(x[row])}, eps={eps}; "
+                f"{num_mismatches(got, expected, 1e-5, 1e-4, dims=1)} of {rows} rows wrong, "
+                f"max difference {(got.double() - expected).abs().max().item():.3g}"
+            )
 
     property_()
 
@@ -105,8 +117,18 @@ def check_rope(rope) -> None:
         assert got.shape == x.shape, f"shape {tuple(got.shape)}, expected {tuple(x.shape)}"
         # float32 angles of large positions carry rounding errors of ~1e-4 whichever way the
         # frequencies are written; a wrong rotation is off by O(1).
-        assert torch.allclose(got, expected, atol=1e-3), (
-            f"max difference {(got - expected).abs().max().item():.3g}"
-        )
+        where = first_mismatch(got, expected, atol=1e-3)
+        if where is not None:
+            token, head = where[:2]
+            raise AssertionError(
+                f"token {token} (position {positions[token]}), head {head}: expected "
+                f"{show_values(expected[token, head])}, got {show_values(got[token, head])} "
+                f"for x = {show_values(x[token, head])}; "
+                f"{num_mismatches(got, expected, 1e-3, dims=2)} of {tokens * heads} "
+                f"(token, head) pairs wrong, max difference "
+                f"{(got - expected).abs().max().item():.3g} (theta={theta}, head_dim={head_dim}; "
+                "features i and i + head_dim/2, for i < head_dim/2, turn together by the "
+                "angle position * theta^(-2i/head_dim))"
+            )
 
     property_()

@@ -8,7 +8,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minivllm.learning_checks import check_settings, learning_check
+from minivllm.learning_checks import (
+    check_settings,
+    first_mismatch,
+    learning_check,
+    num_mismatches,
+    show_values,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -127,9 +133,16 @@ def check_decode_attention(decode_attention) -> None:
         assert got.shape == expected.shape, (
             f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
         )
-        assert torch.allclose(got.double(), expected, atol=1e-5), (
-            f"max difference {(got.double() - expected).abs().max().item():.3g} "
-            f"(seq_lens={seq_lens.tolist()})"
-        )
+        where = first_mismatch(got, expected, atol=1e-5)
+        if where is not None:
+            b, h = where[:2]
+            raise AssertionError(
+                f"row {b} (seq_len {int(seq_lens[b])}), head {h} (reads kv head {h // group}): "
+                f"expected {show_values(expected[b, h])}, got {show_values(got[b, h])}; "
+                f"{num_mismatches(got, expected, 1e-5, dims=2)} of {batch * heads} (row, head) "
+                f"pairs wrong, max difference {(got.double() - expected).abs().max().item():.3g} "
+                f"(seq_lens={seq_lens.tolist()}, max_len={max_len}, heads={heads}, "
+                f"kv_heads={kv_heads})"
+            )
 
     property_()

@@ -6,7 +6,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from minivllm.learning_checks import check_settings, learning_check
+from minivllm.learning_checks import (
+    check_settings,
+    first_mismatch,
+    learning_check,
+    num_mismatches,
+    show_values,
+)
 
 
 def _our_slot_mapping():
@@ -154,11 +160,25 @@ def check_paged_attention(paged_attention) -> None:
 
         got = paged_attention(q, kv, block_tables, seq_lens, query_lens)
         assert got.shape == q.shape, f"shape {tuple(got.shape)}, expected {tuple(q.shape)}"
-        difference = (got.double() - expected).abs()
-        assert torch.allclose(got.double(), expected, atol=1e-4), (
-            f"max difference {difference.max().item():.3g} in rows "
-            f"{sorted(set(difference.amax((1, 2)).gt(1e-4).nonzero()[:, 0].tolist()))} "
-            f"(seq_lens={seq_lens}, query_lens={query_lens}, block_tables={block_tables})"
-        )
+        where = first_mismatch(got, expected, atol=1e-4)
+        if where is not None:
+            row, h = where[:2]
+            # Which sequence and query the row belongs to.
+            i, first_row = 0, 0
+            while row >= first_row + query_lens[i]:
+                first_row += query_lens[i]
+                i += 1
+            j = row - first_row
+            position = seq_lens[i] - query_lens[i] + j
+            raise AssertionError(
+                f"row {row} = sequence {i}'s query {j} of {query_lens[i]} (position {position}, "
+                f"sees its keys 0..{position}), head {h} (reads kv head {h // group}): expected "
+                f"{show_values(expected[row, h])}, got {show_values(got[row, h])}; "
+                f"{num_mismatches(got, expected, 1e-4, dims=2)} of {q.shape[0] * heads} "
+                f"(row, head) pairs wrong, max difference "
+                f"{(got.double() - expected).abs().max().item():.3g} (seq_lens={seq_lens}, "
+                f"query_lens={query_lens}, block_tables={block_tables}, "
+                f"block_size={block_size}, heads={heads}, kv_heads={kv_heads})"
+            )
 
     property_()

@@ -125,18 +125,38 @@ def check_block_hashes(block_hashes) -> None:
 
 
 def _our_cached_prefix_length():
-    from minivllm.core.prefix_cache import PrefixCache
+    from minivllm.core.kv_cache_manager import KVCacheManager
+    from minivllm.core.prefix_cache import hash_blocks
+    from minivllm.core.request import Request
+    from minivllm.sample.sampling_params import SamplingParams
 
     def cached_prefix_length(
         block_hashes: list[bytes], cached: set[bytes], num_tokens: int, block_size: int
     ) -> int:
-        cache = PrefixCache()
-        for block_id, block_hash in enumerate(cached):
-            cache.insert(block_hash, block_id)
-        # As KVCacheManager.find_cached_blocks: look up only the blocks that leave the last
-        # prompt token out, so that one token is always computed.
-        max_blocks = (num_tokens - 1) // block_size
-        return len(cache.longest_cached_prefix(block_hashes[:max_blocks])) * block_size
+        # The engine's own lookup, KVCacheManager.find_cached_blocks, hashes a request's tokens
+        # itself. So: a prompt of num_tokens tokens whose full block i is block_size copies of
+        # token i (no two blocks alike), and the engine's hash of block i goes into the prefix
+        # cache exactly when the check's stand-in hash block_hashes[i] is in `cached`.
+        num_full = len(block_hashes)
+        token_ids = [i for i in range(num_full) for _ in range(block_size)]
+        token_ids += [num_full] * (num_tokens - len(token_ids))
+        manager = KVCacheManager(
+            num_blocks=max(num_full, 1), block_size=block_size, enable_prefix_caching=True
+        )
+        engine_hashes = hash_blocks(token_ids, block_size)
+        for block_id, (engine_hash, block_hash) in enumerate(zip(engine_hashes, block_hashes)):
+            if block_hash in cached:
+                manager.prefix_cache.insert(engine_hash, block_id)
+        request = Request(
+            request_id="prompt",
+            prompt=None,
+            prompt_token_ids=token_ids,
+            params=SamplingParams(temperature=0.0),
+            eos_token_ids=(),
+            max_model_len=num_tokens + 1,
+            detokenizer=None,  # never used: the lookup only reads token ids
+        )
+        return len(manager.find_cached_blocks(request)) * block_size
 
     return cached_prefix_length
 

@@ -1,0 +1,814 @@
+"""The book's measurements on one CUDA GPU: every chapter's, in one run of a few minutes.
+
+    make gpu-bench                               # HF_HUB_OFFLINE=1 python scripts/gpu_bench.py
+    python scripts/gpu_bench.py --out DIR        # write somewhere else than figures/gpu/
+    python scripts/gpu_bench.py --quick          # tiny sizes, any device: checks that it runs
+
+The notebooks measure on the machine they run on (a 2-core CPU for the committed outputs). This
+script measures what each chapter measures on a GPU, with the embedded SmolLM2-135M-Instruct in
+float32 (the dtype in which our tokens equal transformers'; chapter 04 adds a bfloat16 engine),
+and everything it runs comes from the package (`run_benchmark`, the shared workloads, the
+chapters' modules). Per chapter:
+
+    00 logits            our logits against transformers' on chat prompts of 20-1000 tokens:
+                         the largest difference per prompt, a histogram of all of them
+    01 cost-vs-length    one no-cache step (a forward pass over the whole sequence) against the
+                         sequence length; the no-cache loop against transformers' `generate`
+    02 kv-cache          every method of chapters 01-02 side by side (speedup over the no-cache
+                         loop); one decode step against the rows in the batch; the memory a
+                         static batch reserves against what its requests need
+    03 memory-waste      the engine run step by step: KV memory holding tokens, in paged blocks
+                         against a contiguous reservation per request; paged decode attention
+                         against the block size
+    04 throughput        static against continuous batching at equal seats, and against
+                         transformers' padded batches, on outputs of varied length
+    05 prefix-cache      the engine with and without prefix caching on requests that share a
+                         long system prompt: time to first token, throughput, prompt tokens
+                         computed
+
+Each chapter writes two files under OUT/<device>/ (OUT is figures/gpu by default, <device> the
+GPU's name as a slug): NN-name.json and NN-name.png, e.g. figures/gpu/nvidia-h200/04-throughput.
+The JSON is `write_json`'s record, the same as `minivllm bench` writes: "workload" (name,
+description), "device", "results" (one entry per method `run_benchmark` timed: every
+`MethodResult` field and output_tokens_per_s; empty for chapters 00 and 03), and then "chapter",
+"model", "dtype", "quick", "seconds" (wall time of the chapter) and the chapter's own
+measurements (see each `measure_*` function). Each notebook's GPU section globs
+figures/gpu/*/NN-*.json, skips files whose "quick" is true, and plots what it finds next to
+its own CPU numbers; without such a file the section says so and moves on.
+
+On a CPU the full sizes would take hours, and the notebooks' full mode already measures a CPU,
+so without --quick the script refuses to run there. --quick runs every chapter at tiny sizes on
+a tiny random model (two layers, the embedded tokenizer), in well under a minute on a CPU, and
+writes to a temporary directory unless --out is given: the tests run it so that it cannot rot.
+Its numbers check the plumbing, they measure nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from functools import partial
+from pathlib import Path
+from random import Random
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minivllm.attention.backend import AttentionMetadata, PagedKVCache
+from minivllm.attention.torch_paged import TorchPagedAttention
+from minivllm.baselines.kv_cache import ContiguousKVCache, generate_static_batch
+from minivllm.baselines.naive import CausalAttention
+from minivllm.bench.benchmark import (
+    BenchmarkContext,
+    MethodResult,
+    best_time,
+    device_label,
+    format_table,
+    greedy_requests,
+    run_benchmark,
+    workload_kv_cache_bytes,
+    write_json,
+)
+from minivllm.bench.workloads import (
+    Workload,
+    chat_prompt_of_length,
+    shared_prefix_workload,
+    throughput_workload,
+    varied_output_workload,
+)
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.models.llama import LlamaForCausalLM
+from minivllm.models.loader import embedded_model_dir, load_model, load_tokenizer
+from minivllm.models.tiny import make_tiny_model
+from minivllm.sample.sampler import Sampler
+from minivllm.sample.sampling_params import SamplingParams
+from minivllm.utils import cdiv
+
+DTYPE = torch.float32
+DEFAULT_OUT = Path(__file__).resolve().parent.parent / "figures" / "gpu"
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each chapter measures."""
+
+    logit_prompts: int  # ch00: chat prompts whose logits are compared with transformers'
+    logit_prompt_lengths: tuple[int, int]  # shortest and longest of them, tokens
+    step_lengths: tuple[int, ...]  # ch01: sequence lengths of one no-cache step
+    naive_requests: int  # ch01: requests of the no-cache loop against `generate`
+    naive_output: int  # ch01: tokens each of them generates
+    speedup_requests: int  # ch02: requests of the methods side by side (one static batch)
+    speedup_output: int
+    decode_rows: tuple[int, ...]  # ch02: rows of the decode-step sweep
+    decode_context: int  # ch02: cached tokens per row in that sweep
+    varied_requests: int  # ch02-04: the varied-output workload
+    varied_outputs: tuple[int, int]
+    seats: int  # ch04: sequences at once, static batches and the engine alike
+    block_sizes: tuple[int, ...]  # ch03: block sizes of the paged decode-attention sweep
+    attention_seqs: int  # ch03: sequences in that sweep
+    attention_seq_len: int  # ch03: tokens of each
+    prefix_requests: int  # ch05: the shared-prefix workload
+    system_prompt_length: int
+    prefix_output: int
+    # ch05: the engines' token budget per step. Requests admitted in the same step cannot hit
+    # each other's blocks (they are cached once computed), so the budget must not admit them all.
+    prefix_step_tokens: int
+    repeats: int  # timed repetitions of a micro-benchmark; the fastest counts
+
+
+# About three minutes on an H200 by an estimate of eager PyTorch's per-step cost there, not yet
+# a measurement: the JSON records each chapter's seconds.
+GPU_SIZES = Sizes(
+    logit_prompts=8,
+    logit_prompt_lengths=(20, 1000),
+    step_lengths=(16, 64, 128, 256, 512, 1024, 2048),
+    naive_requests=4,
+    naive_output=128,
+    speedup_requests=16,
+    speedup_output=32,
+    decode_rows=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+    decode_context=128,
+    varied_requests=64,
+    varied_outputs=(16, 256),
+    seats=16,
+    block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    attention_seqs=64,
+    attention_seq_len=1024,
+    prefix_requests=64,
+    system_prompt_length=1000,
+    prefix_output=16,
+    prefix_step_tokens=2048,  # the engine's default: one or two of the ~1030-token prompts
+    repeats=5,
+)
+
+QUICK_SIZES = Sizes(
+    logit_prompts=3,
+    logit_prompt_lengths=(20, 120),
+    step_lengths=(16, 64, 128),
+    naive_requests=2,
+    naive_output=6,
+    speedup_requests=3,
+    speedup_output=6,
+    decode_rows=(1, 2, 4),
+    decode_context=32,
+    varied_requests=6,
+    varied_outputs=(4, 16),
+    seats=3,
+    block_sizes=(1, 4, 16),
+    attention_seqs=4,
+    attention_seq_len=64,
+    prefix_requests=4,
+    system_prompt_length=200,
+    prefix_output=4,
+    prefix_step_tokens=128,
+    repeats=2,
+)
+
+
+@dataclass
+class Run:
+    """What every chapter shares: the model (loaded once), the sizes, the device."""
+
+    model_dir: Path
+    model_name: str  # for titles
+    model: LlamaForCausalLM
+    tokenizer: object
+    sizes: Sizes
+    quick: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
+
+    def context(self, **settings) -> BenchmarkContext:
+        """A fresh benchmark context on the shared model: its own engines, its own settings."""
+        return BenchmarkContext(self.model_dir, self.model, self.tokenizer, DTYPE, **settings)
+
+    def benchmark(self, ctx: BenchmarkContext, workload: Workload, methods: list[str]):
+        """`run_benchmark`, with the table printed. The matmul peak (for MFU) is measured in
+        a full run only: a quick run is a check, and the peak takes seconds on a CPU."""
+        if self.device.type == "cpu":
+            # On CUDA the benchmark sizes each engine's KV pool for the workload itself; on the
+            # CPU an engine takes a default of 2 GiB, zeroed as it is allocated: most of a
+            # quick run's time. The same sizing keeps it small.
+            block_size = ctx.engine_args.get("block_size", EngineConfig.block_size)
+            budget = workload_kv_cache_bytes(workload, self.model.config, DTYPE, block_size)
+            ctx.engine_args.setdefault("kv_cache_memory_bytes", budget)
+        results = run_benchmark(ctx, workload, methods, measure_peak=not self.quick)
+        print(format_table(results))
+        return results
+
+    def title(self, what: str, workload: Workload | None = None) -> str:
+        """A figure title naming the measurement, model, dtype, device and workload."""
+        dtype = str(DTYPE).removeprefix("torch.")
+        line = f"{what} · {self.model_name} · {dtype} · {device_label()}"
+        if workload is not None:
+            line += f"\n{workload.name}: {workload.description}"
+        return line
+
+
+@dataclass
+class Chapter:
+    """One chapter's measurement, ready to be written out."""
+
+    stem: str  # "04-throughput": the names of its JSON and its figure
+    workload: Workload  # what it measured on (for chapter 00, the prompts it compared on)
+    figure: plt.Figure
+    results: list[MethodResult] = field(default_factory=list)  # methods timed side by side
+    measured: dict = field(default_factory=dict)  # the chapter's own numbers
+
+    @property
+    def number(self) -> int:
+        return int(self.stem[:2])
+
+
+# --- chapter 00: the model ---------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def measure_logits(run: Run) -> Chapter:
+    """Our logits against transformers' at every position of each prompt, float32.
+
+    JSON: prompt_lengths, max_abs_diff_per_prompt, max_abs_diff, same_argmax (the same argmax
+    at every position of every prompt), logit_range (transformers', [min, max]), and
+    abs_diff_histogram {log10_edges, counts} over every logit (|diff| below 1e-9 counts as 1e-9).
+    """
+    low, high = run.sizes.logit_prompt_lengths
+    chat = throughput_workload(run.tokenizer, run.sizes.logit_prompts, (low, high), 1)
+    prompts = replace(
+        chat,
+        name="chat-prompts",
+        description=f"{chat.num_requests} chat prompts, {low}-{high} tokens",
+    )
+    hf_model = run.context().hf_model
+    edges = np.linspace(-9, 1, 41)  # log10 |diff|, 4 bins per decade
+    counts = np.zeros(len(edges) - 1, dtype=np.int64)
+    max_per_prompt, same_argmax, logit_range = [], True, [float("inf"), float("-inf")]
+    for prompt in prompts.prompts:
+        ids = torch.tensor(prompt, device=run.device)
+        positions = torch.arange(len(prompt), device=run.device)
+        ours = run.model.compute_logits(
+            run.model(ids, positions, CausalAttention([0, len(prompt)]))
+        )
+        theirs = hf_model(ids[None]).logits[0]
+        diff = (ours - theirs).abs()
+        max_per_prompt.append(diff.max().item())
+        # Counted on the device: a 1000-token prompt has 49 M logits.
+        log10_diff = diff.clamp(1e-9, 10.0).log10()
+        counts += torch.histc(log10_diff, len(counts), edges[0], edges[-1]).long().cpu().numpy()
+        same_argmax &= torch.equal(ours.argmax(-1), theirs.argmax(-1))
+        logit_range = [
+            min(logit_range[0], theirs.min().item()),
+            max(logit_range[1], theirs.max().item()),
+        ]
+    lengths = [len(p) for p in prompts.prompts]
+    print(f"max |ours - transformers| = {max(max_per_prompt):.2e}; same argmax: {same_argmax}")
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    ax1.plot(lengths, np.maximum(max_per_prompt, 1e-9), "o")  # 1e-9: equal
+    ax1.set_yscale("log")
+    ax1.set_xlabel("prompt length (tokens)")
+    ax1.set_ylabel("max |ours − transformers| over the prompt's logits")
+    ax1.set_title("largest difference per prompt")
+    ax1.grid(alpha=0.3)
+    ax2.stairs(counts, edges, fill=True)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("log10 |ours − transformers| per logit (−9: equal)")
+    ax2.set_ylabel("count of logits")
+    ax2.set_title(f"all {counts.sum():,} logits")
+    fig.suptitle(run.title("Logits: minivllm vs transformers", prompts), fontsize=10)
+    return Chapter(
+        "00-logits",
+        prompts,
+        fig,
+        measured=dict(
+            prompt_lengths=lengths,
+            max_abs_diff_per_prompt=max_per_prompt,
+            max_abs_diff=max(max_per_prompt),
+            same_argmax=same_argmax,
+            logit_range=logit_range,
+            abs_diff_histogram=dict(log10_edges=edges.tolist(), counts=counts.tolist()),
+        ),
+    )
+
+
+# --- chapter 01: naive generation --------------------------------------------------------------
+
+
+def measure_naive_cost(run: Run) -> Chapter:
+    """One no-cache step against the sequence length, then the no-cache loop against
+    transformers' `generate` (which keeps a KV cache) on whole requests.
+
+    JSON: step_lengths (tokens), step_seconds (the fastest of `repeats` forward passes over that
+    many tokens, logits of the last one), and results: "hf", then "naive".
+    """
+    lengths = list(run.sizes.step_lengths)
+    long_prompt = chat_prompt_of_length(run.tokenizer, max(lengths), Random(0))
+
+    @torch.inference_mode()
+    def one_step(length: int) -> torch.Tensor:
+        ids = torch.tensor(long_prompt[:length], device=run.device)
+        positions = torch.arange(length, device=run.device)
+        hidden = run.model(ids, positions, CausalAttention([0, length]))
+        return run.model.compute_logits(hidden[-1:])
+
+    step_seconds = [best_time(partial(one_step, n), run.device, run.sizes.repeats) for n in lengths]
+    workload = throughput_workload(
+        run.tokenizer, run.sizes.naive_requests, (20, 300), run.sizes.naive_output
+    )
+    results = run.benchmark(run.context(), workload, ["hf", "naive"])
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    ax1.plot(lengths, np.array(step_seconds) * 1e3, "o-")
+    ax1.set_xlabel("sequence length L (tokens)")
+    ax1.set_ylabel("time of one no-cache step (ms)")
+    ax1.set_ylim(bottom=0)
+    ax1.set_title("a forward pass over the whole sequence, per new token")
+    ax1.grid(alpha=0.3)
+    throughput_bars(ax2, results, baseline="naive")
+    ax2.set_title("whole requests")
+    fig.suptitle(run.title("Cost of generation without a KV cache", workload), fontsize=10)
+    return Chapter(
+        "01-cost-vs-length",
+        workload,
+        fig,
+        results,
+        dict(step_lengths=lengths, step_seconds=step_seconds),
+    )
+
+
+# --- chapter 02: the KV cache ------------------------------------------------------------------
+
+
+def measure_kv_cache(run: Run) -> Chapter:
+    """Chapters 01-02's methods side by side; one decode step against the batch's rows; the KV
+    memory of one static batch of varied-length requests.
+
+    JSON: results ("hf", "naive", "kv-cache", "static" and "hf-static", one static batch of all
+    requests); decode_rows, decode_step_seconds (the fastest of `repeats` decode steps with
+    decode_context cached tokens per row); kv_bytes_per_token {dtype: bytes}; static_batch
+    {workload, reserved_kv_bytes (rows x longest prompt + longest output), needed_kv_bytes (each
+    request's final length), decode_steps, computed_rows, useful_rows}.
+    """
+    sizes = run.sizes
+    workload = throughput_workload(
+        run.tokenizer, sizes.speedup_requests, (20, 300), sizes.speedup_output
+    )
+    ctx = run.context(batch_size=workload.num_requests)
+    results = run.benchmark(ctx, workload, ["hf", "naive", "kv-cache", "static", "hf-static"])
+    decode_seconds = [decode_step_seconds(run, rows) for rows in sizes.decode_rows]
+    static_batch = static_batch_memory(run, ctx)
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.4), layout="constrained")
+    throughput_bars(ax1, results, baseline="naive")
+    ax1.set_title("whole requests, one static batch", fontsize=9)
+    rows = list(sizes.decode_rows)
+    ax2.plot(rows, [r / s for r, s in zip(rows, decode_seconds)], "o-", color="tab:green")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(rows, [str(r) for r in rows])
+    ax2.set_xlabel("rows in the decode batch")
+    ax2.set_ylabel("generated tokens per second")
+    ax2.set_ylim(bottom=0)
+    ax2.set_title(f"one decode step, {sizes.decode_context} cached tokens per row", fontsize=9)
+    ax2.grid(alpha=0.3)
+    reserved, needed = static_batch["reserved_kv_bytes"], static_batch["needed_kv_bytes"]
+    ax3.bar(
+        ["reserved\n(rows × longest)", "needed\n(each request's length)"],
+        [reserved / MiB, needed / MiB],
+        color=["tab:red", "tab:blue"],
+    )
+    ax3.set_ylabel("KV cache memory (MiB)")
+    useful = static_batch["useful_rows"] / static_batch["computed_rows"]
+    ax3.set_title(
+        f"one static batch of {static_batch['workload']}\n{needed / reserved:.0%} of the reserved"
+        f" memory needed, {useful:.0%} of the decode rows useful",
+        fontsize=9,
+    )
+    fig.suptitle(run.title("The KV cache and static batching", workload), fontsize=10)
+    per_token = {
+        str(d).removeprefix("torch."): run.model.config.kv_bytes_per_token(d)
+        for d in (torch.float32, torch.bfloat16)
+    }
+    return Chapter(
+        "02-kv-cache",
+        workload,
+        fig,
+        results,
+        dict(
+            decode_rows=rows,
+            decode_context=sizes.decode_context,
+            decode_step_seconds=decode_seconds,
+            kv_bytes_per_token=per_token,
+            static_batch=static_batch,
+        ),
+    )
+
+
+@torch.inference_mode()
+def decode_step_seconds(run: Run, rows: int) -> float:
+    """The fastest of a few decode steps of `rows` rows over random stand-in K/V."""
+    context, config = run.sizes.decode_context, run.model.config
+    cache = ContiguousKVCache(config, rows, context + 1, DTYPE, run.device)
+    cache.keys.normal_()
+    cache.values.normal_()
+    ids = torch.randint(0, config.vocab_size, (rows,), device=run.device)  # a new token per row
+    positions = torch.full((rows,), context, device=run.device)
+    seq_lens = positions + 1  # cached tokens and the new one
+
+    def step():
+        return run.model.compute_logits(run.model(ids, positions, cache.decode(seq_lens)))
+
+    return best_time(step, run.device, run.sizes.repeats)
+
+
+def static_batch_memory(run: Run, ctx: BenchmarkContext) -> dict:
+    """Run the varied-output workload as one static batch and compare the KV memory it reserves
+    with what its requests need at their final length."""
+    workload = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    stats = generate_static_batch(run.model, greedy_requests(ctx, workload), Sampler())
+    final_lengths = [len(p) + n for p, n in zip(workload.prompts, workload.output_lengths)]
+    return dict(
+        workload=workload.description,
+        reserved_kv_bytes=stats.reserved_kv_bytes,
+        needed_kv_bytes=sum(final_lengths) * run.model.config.kv_bytes_per_token(DTYPE),
+        decode_steps=stats.decode_steps,
+        computed_rows=stats.computed_rows,
+        useful_rows=stats.useful_rows,
+    )
+
+
+# --- chapter 03: paged KV blocks ---------------------------------------------------------------
+
+# What a contiguous cache reserves per request when it cannot know the final length: the
+# longest sequence allowed (the vLLM paper's 2048, or the model's context if shorter).
+MAX_RESERVATION = 2048
+BLOCK_SIZE = 16
+
+
+def measure_memory_waste(run: Run) -> Chapter:
+    """The engine (no prefix caching) runs the varied-output workload step by step; after each
+    step we count the tokens its running requests hold, the slots of the blocks they hold, and
+    what a contiguous cache would reserve for the same requests. Then paged decode attention
+    against the block size.
+
+    JSON: per_step {tokens_held, paged_slots, contiguous_final_slots (each request's final
+    length), contiguous_max_slots (max_reservation per request)}; token_share {scheme: tokens
+    held / slots reserved, summed over the steps}; kv_bytes_per_token; block_size;
+    max_reservation;
+    attention_block_sizes, attention_seconds (one decode-attention call of attention_seqs
+    sequences of attention_seq_len tokens, one layer), attention_seqs, attention_seq_len.
+    """
+    workload = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    max_reservation = min(MAX_RESERVATION, run.model.config.max_model_len)
+    per_step = trace_kv_memory(run, workload, max_reservation)
+    token_share = {
+        scheme: sum(per_step["tokens_held"]) / sum(per_step[f"{scheme}_slots"])
+        for scheme in ("paged", "contiguous_final", "contiguous_max")
+    }
+    print(
+        "share of reserved KV memory holding tokens:",
+        {k: f"{v:.1%}" for k, v in token_share.items()},
+    )
+    block_sizes = list(run.sizes.block_sizes)
+    attention_seconds = [paged_attention_seconds(run, size) for size in block_sizes]
+
+    per_token = run.model.config.kv_bytes_per_token(DTYPE)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.4), layout="constrained")
+    steps = np.arange(1, len(per_step["tokens_held"]) + 1)
+    mib = {name: np.array(values) * per_token / MiB for name, values in per_step.items()}
+    ax1.fill_between(steps, mib["tokens_held"], step="post", alpha=0.5, label="holding tokens")
+    ax1.step(steps, mib["paged_slots"], where="post", label=f"paged, blocks of {BLOCK_SIZE}")
+    ax1.step(
+        steps, mib["contiguous_final_slots"], where="post", label="contiguous, exact final length"
+    )
+    ax1.set_xlabel("engine step")
+    ax1.set_ylabel("KV cache memory (MiB)")
+    ax1.set_title("memory held by the running requests", fontsize=9)
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    labels = {
+        "contiguous_max": f"contiguous,\nmax length {max_reservation}",
+        "contiguous_final": "contiguous,\nexact final length",
+        "paged": f"paged,\nblocks of {BLOCK_SIZE}",
+    }
+    bars = ax2.barh(
+        [labels[k] for k in labels],
+        [100 * token_share[k] for k in labels],
+        color=["tab:red", "tab:orange", "tab:blue"],
+    )
+    ax2.bar_label(bars, [f" {token_share[k]:.1%}" for k in labels])
+    ax2.set_xlim(0, 100)
+    ax2.set_xlabel("reserved KV memory holding tokens (%)")
+    ax2.set_title("over the whole run", fontsize=9)
+    ax3.plot(block_sizes, np.array(attention_seconds) * 1e3, "o-", color="tab:green")
+    ax3.set_xscale("log", base=2)
+    ax3.set_xticks(block_sizes, [str(b) for b in block_sizes])
+    ax3.set_xlabel("block size (tokens)")
+    ax3.set_ylabel("time per call (ms)")
+    ax3.set_ylim(bottom=0)
+    ax3.set_title(
+        f"torch paged decode attention: {run.sizes.attention_seqs} seqs × "
+        f"{run.sizes.attention_seq_len} tokens, 1 layer",
+        fontsize=9,
+    )
+    ax3.grid(alpha=0.3)
+    fig.suptitle(run.title("KV memory: contiguous vs paged", workload), fontsize=10)
+    return Chapter(
+        "03-memory-waste",
+        workload,
+        fig,
+        measured=dict(
+            per_step=per_step,
+            token_share=token_share,
+            kv_bytes_per_token=per_token,
+            block_size=BLOCK_SIZE,
+            max_reservation=max_reservation,
+            attention_block_sizes=block_sizes,
+            attention_seconds=attention_seconds,
+            attention_seqs=run.sizes.attention_seqs,
+            attention_seq_len=run.sizes.attention_seq_len,
+        ),
+    )
+
+
+def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[str, list[int]]:
+    """Step an engine through the workload (all requests queued at once) and count, after each
+    step, the KV slots in use: tokens held, paged blocks, contiguous reservations (of each
+    request's final length, or of `max_reservation` tokens)."""
+    config = EngineConfig(
+        model=str(run.model_dir),
+        dtype=DTYPE,
+        device=run.device,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=False,  # chapter 05's sharing off: one owner per block
+        kv_cache_memory_bytes=workload_kv_cache_bytes(
+            workload, run.model.config, DTYPE, BLOCK_SIZE
+        ),
+    )
+    engine = LLMEngine(config)
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lengths)):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    manager = engine.kv_cache_manager
+    per_step = {
+        name: []
+        for name in ("tokens_held", "paged_slots", "contiguous_final_slots", "contiguous_max_slots")
+    }
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = engine.scheduler.running
+        per_step["tokens_held"].append(sum(r.num_computed_tokens for r in running))
+        per_step["paged_slots"].append((manager.num_blocks - manager.num_free_blocks) * BLOCK_SIZE)
+        per_step["contiguous_final_slots"].append(
+            sum(len(r.prompt_token_ids) + r.max_tokens for r in running)
+        )
+        per_step["contiguous_max_slots"].append(len(running) * max_reservation)
+    return per_step
+
+
+@torch.inference_mode()
+def paged_attention_seconds(run: Run, block_size: int) -> float:
+    """One decode-attention call (one query per sequence) over a pool of `block_size` blocks,
+    each sequence's blocks scattered at random, one layer of the model's shapes."""
+    sizes, config = run.sizes, run.model.config
+    num_seqs, seq_len = sizes.attention_seqs, sizes.attention_seq_len
+    per_seq = cdiv(seq_len, block_size)
+    one_layer = replace(config, num_layers=1)
+    pool = PagedKVCache(one_layer, num_seqs * per_seq, block_size, DTYPE, run.device)
+    order = torch.randperm(num_seqs * per_seq, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(num_seqs)]
+    last_slots = [
+        t[(seq_len - 1) // block_size] * block_size + (seq_len - 1) % block_size for t in tables
+    ]
+    metadata = AttentionMetadata.build(
+        [1] * num_seqs, [seq_len] * num_seqs, tables, last_slots, device=run.device
+    )
+    attention = TorchPagedAttention(pool, metadata)
+    q = torch.randn(num_seqs, config.num_heads, config.head_dim, dtype=DTYPE, device=run.device)
+    k = torch.randn(num_seqs, config.num_kv_heads, config.head_dim, dtype=DTYPE, device=run.device)
+    return best_time(lambda: attention(0, q, k, k), run.device, sizes.repeats)
+
+
+# --- chapter 04: continuous batching -----------------------------------------------------------
+
+
+def measure_throughput(run: Run) -> Chapter:
+    """Static against continuous batching with the same number of seats, next to transformers'
+    padded batches, on requests whose outputs vary in length.
+
+    JSON: results ("hf-static:S", "static:S", "engine-no-prefix-cache",
+    "engine-no-prefix-cache@bfloat16", S = seats; the engines run at most S sequences at once);
+    seats.
+    """
+    seats = run.sizes.seats
+    workload = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    ctx = run.context(batch_size=seats, engine_args=dict(max_num_seqs=seats))
+    methods = [
+        f"hf-static:{seats}",
+        f"static:{seats}",
+        "engine-no-prefix-cache",
+        "engine-no-prefix-cache@bfloat16",
+    ]
+    results = run.benchmark(ctx, workload, methods)
+
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(results)), layout="constrained")
+    throughput_bars(ax, results, baseline=f"static:{seats}")
+    fig.suptitle(
+        run.title(f"Static vs continuous batching, at most {seats} sequences at once", workload),
+        fontsize=10,
+    )
+    return Chapter("04-throughput", workload, fig, results, dict(seats=seats))
+
+
+# --- chapter 05: prefix caching ----------------------------------------------------------------
+
+
+def measure_prefix_cache(run: Run) -> Chapter:
+    """The engine with and without prefix caching, on requests sharing a long system prompt.
+
+    JSON: results ("engine-no-prefix-cache", then "engine": median_ttft_s,
+    prompt_tokens_computed, output_tokens_per_s among their fields); prefix_cache_hit_rate (prompt
+    tokens found cached over those looked up, the warm-up request's included); ttft_ratio (off /
+    on); throughput_ratio (on / off); prompt_tokens_computed {off, on}.
+    """
+    workload = shared_prefix_workload(
+        run.tokenizer,
+        run.sizes.prefix_requests,
+        run.sizes.system_prompt_length,
+        run.sizes.prefix_output,
+    )
+    ctx = run.context(engine_args=dict(max_num_batched_tokens=run.sizes.prefix_step_tokens))
+    off, on = run.benchmark(ctx, workload, ["engine-no-prefix-cache", "engine"])
+    metrics = {m.name: m.value for m in ctx.engines["engine"].get_metrics()}
+    hit_rate = metrics["vllm:prefix_cache_hits"] / metrics["vllm:prefix_cache_queries"]
+
+    panels = [
+        ("time to first token, median (s)", off.median_ttft_s, on.median_ttft_s),
+        ("output tokens per second", off.output_tokens_per_s, on.output_tokens_per_s),
+        ("prompt tokens computed", off.prompt_tokens_computed, on.prompt_tokens_computed),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2), layout="constrained")
+    for ax, (label, without, with_cache) in zip(axes, panels):
+        bars = ax.bar(
+            ["prefix cache off", "prefix cache on"],
+            [without, with_cache],
+            color=["tab:gray", "tab:purple"],
+        )
+        ax.bar_label(bars, [f"{without:.3g}", f"{with_cache:.3g} ({with_cache / without:.2f}x)"])
+        ax.set_ylabel(label)
+        ax.set_ylim(0, max(without, with_cache) * 1.2)
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(run.title(f"Prefix caching (hit rate {hit_rate:.0%})", workload), fontsize=10)
+    return Chapter(
+        "05-prefix-cache",
+        workload,
+        fig,
+        [off, on],
+        dict(
+            prefix_cache_hit_rate=hit_rate,
+            ttft_ratio=off.median_ttft_s / on.median_ttft_s,
+            throughput_ratio=on.output_tokens_per_s / off.output_tokens_per_s,
+            prompt_tokens_computed=dict(
+                off=off.prompt_tokens_computed, on=on.prompt_tokens_computed
+            ),
+        ),
+    )
+
+
+# --- shared by the chapters --------------------------------------------------------------------
+
+
+# Bar colours by method, as in the notebooks: transformers, chapter 01, 02, the engine.
+METHOD_COLORS = {
+    "hf": "tab:orange",
+    "naive": "tab:gray",
+    "kv-cache": "tab:blue",
+    "static": "tab:green",
+    "engine": "tab:purple",
+}
+
+
+def throughput_bars(ax, results: list[MethodResult], baseline: str) -> None:
+    """Horizontal bars of output tokens/s, each labelled with its speedup over `baseline`."""
+    base = next(r for r in results if r.method == baseline).output_tokens_per_s
+    rates = [r.output_tokens_per_s for r in results]
+    colors = [
+        next(color for prefix, color in METHOD_COLORS.items() if r.method.startswith(prefix))
+        for r in results
+    ]
+    bars = ax.barh([r.label for r in results], rates, color=colors)
+    # Hatched: a dtype other than the run's ("engine@bfloat16").
+    for bar, r in zip(bars, results):
+        bar.set_hatch("//" if "@" in r.method else "")
+    ax.bar_label(bars, [f" {rate:.0f} tok/s, {rate / base:.2f}x" for rate in rates], fontsize=8)
+    ax.invert_yaxis()  # the first method on top
+    ax.set_xlim(0, max(rates) * 1.45)
+    ax.set_xlabel("output tokens per second")
+    ax.tick_params(axis="y", labelsize=8)
+    ax.grid(axis="x", alpha=0.3)
+
+
+CHAPTERS = (
+    measure_logits,
+    measure_naive_cost,
+    measure_kv_cache,
+    measure_memory_waste,
+    measure_throughput,
+    measure_prefix_cache,
+)
+
+
+def device_slug() -> str:
+    """The device's name as a directory name: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", device_label().lower()).strip("-")
+
+
+def load_run(quick: bool, device: torch.device, scratch: Path) -> Run:
+    """The embedded SmolLM2-135M-Instruct, or for --quick a tiny random model written to
+    `scratch` that shares its tokenizer (two layers: every chapter runs in seconds on a CPU)."""
+    model_dir, model_name = embedded_model_dir(), "SmolLM2-135M-Instruct"
+    if quick:
+        model_dir = make_tiny_model("llama", scratch, seed=0, tokenizer_dir=model_dir)
+        model_name = "tiny random llama (2 layers)"
+    model = load_model(model_dir, DTYPE, device)
+    sizes = QUICK_SIZES if quick else GPU_SIZES
+    return Run(model_dir, model_name, model, load_tokenizer(model_dir), sizes, quick)
+
+
+def save(run: Run, chapter: Chapter, out_dir: Path, seconds: float) -> None:
+    """NN-name.json (write_json's record and the chapter's numbers) and NN-name.png."""
+    write_json(
+        out_dir / f"{chapter.stem}.json",
+        chapter.workload,
+        chapter.results,
+        chapter=chapter.number,
+        model=run.model_name,
+        dtype=str(DTYPE).removeprefix("torch."),
+        quick=run.quick,
+        seconds=seconds,
+        **chapter.measured,
+    )
+    chapter.figure.savefig(out_dir / f"{chapter.stem}.png", dpi=120, bbox_inches="tight")
+    plt.close(chapter.figure)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny model and sizes, any device (a check, not a measurement)",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"where results go, in a folder per device (default: {DEFAULT_OUT}; "
+        "with --quick, a temporary directory)",
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Measure every chapter; returns the folder the files went to."""
+    args = parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.quick:
+        raise SystemExit(
+            "gpu_bench.py measures on a CUDA GPU and found none. On a CPU the notebooks' full "
+            "mode is the measurement (make notebooks); --quick checks this script at tiny sizes."
+        )
+    out = args.out or (Path(tempfile.mkdtemp(prefix="gpu-bench-")) if args.quick else DEFAULT_OUT)
+    out_dir = out / device_slug()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plt.switch_backend("agg")  # figures go to files only
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    # The tiny model's directory must outlive the run: every engine loads the model from it.
+    with tempfile.TemporaryDirectory(prefix="minivllm-tiny-") as scratch:
+        run = load_run(args.quick, device, Path(scratch))
+        print(f"{device_label()}, {run.model_name}, {DTYPE}; results in {out_dir}")
+        for measure in CHAPTERS:
+            chapter_start = time.perf_counter()
+            chapter = measure(run)
+            seconds = time.perf_counter() - chapter_start
+            save(run, chapter, out_dir, seconds)
+            print(f"== {chapter.stem}: {seconds:.1f} s\n")
+    print(f"all chapters in {time.perf_counter() - start:.0f} s: {out_dir}")
+    return out_dir
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""scripts/gpu_bench.py in quick mode: every chapter writes its JSON and its figure, and the
+numbers in them are sane. `make gpu-bench` runs the same code at full size on a GPU; this run
+(a tiny random model, tiny workloads, on whatever device there is) keeps it from rotting.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_bench.py"
+STEMS = [
+    "00-logits",
+    "01-cost-vs-length",
+    "02-kv-cache",
+    "03-memory-waste",
+    "04-throughput",
+    "05-prefix-cache",
+]
+
+
+def load_script():
+    """The script as a module (scripts/ is not a package). It is registered in sys.modules
+    first, as an import would: its dataclasses look their module up there."""
+    if "gpu_bench" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+        sys.modules["gpu_bench"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["gpu_bench"])
+    return sys.modules["gpu_bench"]
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory) -> dict[str, dict]:
+    """Run the script once in quick mode; chapter stem -> its JSON record."""
+    out_dir = load_script().main(["--quick", "--out", str(tmp_path_factory.mktemp("gpu"))])
+    for stem in STEMS:
+        assert (out_dir / f"{stem}.png").stat().st_size > 10_000, f"{stem}.png is missing or empty"
+    return {stem: json.loads((out_dir / f"{stem}.json").read_text()) for stem in STEMS}
+
+
+def by_method(record: dict) -> dict[str, dict]:
+    return {result["method"]: result for result in record["results"]}
+
+
+def test_every_chapter_writes_the_common_fields(records):
+    for number, (stem, record) in enumerate(records.items()):
+        assert record["chapter"] == number, stem
+        assert record["quick"] is True and record["dtype"] == "float32"
+        assert record["workload"]["name"] and record["workload"]["description"]
+        assert record["device"] and record["model"] and record["seconds"] > 0
+        for result in record["results"]:
+            assert result["output_tokens_per_s"] > 0
+            assert result["output_tokens"] > 0
+
+
+def test_logits_equal_transformers(records):
+    logits = records["00-logits"]
+    assert logits["max_abs_diff"] < 1e-3 and logits["same_argmax"] is True
+    assert len(logits["max_abs_diff_per_prompt"]) == len(logits["prompt_lengths"])
+    histogram = logits["abs_diff_histogram"]
+    assert len(histogram["log10_edges"]) == len(histogram["counts"]) + 1
+    assert sum(histogram["counts"]) > 0
+
+
+def test_naive_cost_and_kv_cache_methods_agree_with_transformers(records):
+    naive = records["01-cost-vs-length"]
+    assert list(by_method(naive)) == ["hf", "naive"]
+    assert len(naive["step_seconds"]) == len(naive["step_lengths"])
+    assert all(seconds > 0 for seconds in naive["step_seconds"])
+
+    kv_cache = records["02-kv-cache"]
+    methods = by_method(kv_cache)
+    assert list(methods) == ["hf", "naive", "kv-cache", "static", "hf-static"]
+    # Greedy float32: every method gives transformers' tokens.
+    assert all(result["same_tokens_as_first"] == 1.0 for result in methods.values())
+    assert all(seconds > 0 for seconds in kv_cache["decode_step_seconds"])
+    static = kv_cache["static_batch"]
+    assert static["reserved_kv_bytes"] >= static["needed_kv_bytes"] > 0
+    assert 0 < static["useful_rows"] <= static["computed_rows"]
+
+
+def test_memory_waste_paged_holds_more_tokens_than_a_max_length_reservation(records):
+    memory = records["03-memory-waste"]
+    share = memory["token_share"]
+    assert 0 < share["contiguous_max"] < share["paged"] <= 1
+    assert 0 < share["contiguous_final"] <= 1
+    per_step = memory["per_step"]
+    assert all(
+        held <= slots for held, slots in zip(per_step["tokens_held"], per_step["paged_slots"])
+    )
+    assert len(memory["attention_seconds"]) == len(memory["attention_block_sizes"])
+
+
+def test_throughput_runs_every_method_on_the_whole_workload(records):
+    throughput = records["04-throughput"]
+    seats = throughput["seats"]
+    methods = by_method(throughput)
+    assert list(methods) == [
+        f"hf-static:{seats}",
+        f"static:{seats}",
+        "engine-no-prefix-cache",
+        "engine-no-prefix-cache@bfloat16",
+    ]
+    assert len({result["output_tokens"] for result in methods.values()}) == 1
+    assert methods["engine-no-prefix-cache@bfloat16"]["dtype"] == "bfloat16"
+
+
+def test_prefix_cache_computes_fewer_prompt_tokens(records):
+    prefix = records["05-prefix-cache"]
+    off, on = prefix["results"]
+    assert (off["method"], on["method"]) == ("engine-no-prefix-cache", "engine")
+    assert on["same_tokens_as_first"] == 1.0
+    assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"] == off["prompt_tokens"]
+    assert prefix["prompt_tokens_computed"] == {
+        "off": off["prompt_tokens_computed"],
+        "on": on["prompt_tokens_computed"],
+    }
+    assert 0 < prefix["prefix_cache_hit_rate"] <= 1
+    assert prefix["ttft_ratio"] > 0 and prefix["throughput_ratio"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
+def test_a_full_run_refuses_to_start_on_a_cpu(tmp_path):
+    with pytest.raises(SystemExit, match="CUDA"):
+        load_script().main(["--out", str(tmp_path)])
+    assert not any(tmp_path.iterdir())

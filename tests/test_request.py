@@ -1,0 +1,124 @@
+"""The stop rules of a `Request` (minivllm/core/request.py), on their own.
+
+In the engine the sampler bans EOS and stop token ids until min_tokens tokens exist, so the
+request's own min_tokens gate never sees them early. These tests append tokens to a request
+directly, the way an engine with a different sampler (or a speculative step that accepts
+several tokens at once) would, so the request's gate has to hold by itself.
+
+The tokenizer is a stand-in that spells token i as the i-th letter, which makes stop strings
+easy to place; expectations come from the rules written out in plain Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm.core.request import Request
+from minivllm.sample.sampling_params import SamplingParams
+
+LETTERS = "abcdefgh"
+EOS, STOP_ID = 0, 1  # spelt "a" and "b"; stop strings below use only "c", "d", "e"
+
+
+class LetterTokenizer:
+    """Token i decodes to LETTERS[i]: one character per token, nothing special."""
+
+    def decode(self, token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(LETTERS[i] for i in token_ids)
+
+
+def make_request(params: SamplingParams, max_model_len: int = 64) -> Request:
+    return Request.create(
+        request_id="r",
+        prompt=None,
+        prompt_token_ids=[2, 3],
+        params=params,
+        tokenizer=LetterTokenizer(),
+        eos_token_ids=(EOS,),
+        max_model_len=max_model_len,
+    )
+
+
+def append_until_finished(request: Request, token_ids: list[int]) -> int:
+    """Append tokens one by one until the request finishes; how many were appended."""
+    for count, token_id in enumerate(token_ids, start=1):
+        request.append_token(token_id)
+        if request.is_finished:
+            return count
+    return len(token_ids)
+
+
+@pytest.mark.parametrize("stopping_token", [EOS, STOP_ID])
+def test_eos_and_stop_ids_do_not_stop_a_request_before_min_tokens(stopping_token):
+    """min_tokens=3: the stopping token as output tokens 1 and 2 is kept and the request goes
+    on; as token 3 it ends the request with finish_reason "stop" (and, for a stop id, that id
+    as stop_reason)."""
+    params = SamplingParams(min_tokens=3, max_tokens=10, stop_token_ids=[STOP_ID])
+    request = make_request(params)
+
+    for count in (1, 2):
+        request.append_token(stopping_token)
+        assert not request.is_finished, (
+            f"token {stopping_token} as output token {count} of min_tokens=3 ended the request"
+        )
+    request.append_token(stopping_token)
+
+    assert request.finish_reason == "stop"
+    assert request.stop_reason == (None if stopping_token == EOS else STOP_ID)
+    assert request.output_token_ids == [stopping_token] * 3
+    # The two early ones are ordinary text; the one that stops is never shown.
+    assert request.detokenizer.output_text == LETTERS[stopping_token] * 2
+
+
+def expected_finish(token_ids, min_tokens, max_tokens, ignore_eos, stop):
+    """The stop rules in vLLM's order, spelt out: (tokens appended, finish_reason, stop_reason),
+    or None if the request is still running after all of them."""
+    text = ""
+    for count, token_id in enumerate(token_ids, start=1):
+        may_stop = count >= min_tokens
+        if may_stop and token_id == EOS and not ignore_eos:
+            return count, "stop", None
+        if may_stop and token_id == STOP_ID:
+            return count, "stop", STOP_ID
+        text += LETTERS[token_id]
+        if may_stop and stop is not None and text.endswith(stop):
+            return count, "stop", stop
+        if count >= max_tokens:
+            return count, "length", None
+    return None
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    token_ids=st.lists(st.integers(0, 4), max_size=12),
+    min_tokens=st.integers(0, 6),
+    extra_tokens=st.integers(0, 6),
+    ignore_eos=st.booleans(),
+    stop=st.none() | st.sampled_from(["c", "cd", "dc", "ee"]),
+)
+def test_a_request_stops_exactly_where_the_rules_say(
+    token_ids, min_tokens, extra_tokens, ignore_eos, stop
+):
+    """Random outputs over {EOS, a stop id, three letters}: the request finishes at the first
+    token where EOS (unless ignore_eos), the stop id or a stop string may stop it (only from
+    output token min_tokens on) or max_tokens is reached, with the matching reasons."""
+    params = SamplingParams(
+        min_tokens=min_tokens,
+        max_tokens=min_tokens + extra_tokens or 1,
+        ignore_eos=ignore_eos,
+        stop_token_ids=[STOP_ID],
+        stop=stop,
+    )
+    request = make_request(params)
+
+    appended = append_until_finished(request, token_ids)
+
+    expected = expected_finish(token_ids, min_tokens, params.max_tokens, ignore_eos, stop)
+    got = (appended, request.finish_reason, request.stop_reason) if request.is_finished else None
+    assert got == expected, (
+        f"finished as {got}, expected {expected} (tokens appended, finish_reason, stop_reason) "
+        f"for outputs {token_ids}, min_tokens={min_tokens}, max_tokens={params.max_tokens}, "
+        f"ignore_eos={ignore_eos}, stop={stop!r}"
+    )
