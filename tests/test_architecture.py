@@ -323,7 +323,7 @@ CHAPTERS = sorted((ROOT / "chapters").glob("[0-9A-Z]*-*.md"))
 def test_each_chapter_home_module_opens_with_its_chapter(path):
     """The first module on a chapter's '> Module:' line is its home: it says so first."""
     number = path.name.split("-")[0]
-    title = f"Chapter {number}" if number.isdigit() else f"Appendix {number}"
+    title = f"Chapter {number}" if number[0].isdigit() else f"Appendix {number}"
     module_line = next(
         line for line in path.read_text().splitlines() if line.startswith("> Module")
     )
