@@ -11,6 +11,7 @@ from minivllm.bench.roofline import (
     Machine,
     StepCost,
     decode_step_cost,
+    intensity_limit,
     measure_memory_bandwidth,
     ridge_batch_size,
     weight_count,
@@ -63,9 +64,17 @@ def test_at_the_ridge_batch_size_compute_and_memory_take_equally_long(tiny_model
 
 
 def test_no_ridge_when_the_cache_grows_as_fast_as_the_flops(tiny_models):
+    """A batch's intensity levels off at FLOPs per row over K/V bytes per row; a machine whose
+    ridge lies above that limit is never reached, however many rows."""
     config = tiny_models("llama")[0].config
-    starved = Machine("toy", peak_flops=1e15, bandwidth=1e9)  # ridge at 10^6 FLOP/byte
+    limit = intensity_limit(config, torch.float32, 10_000)
+    assert decode_step_cost(config, torch.float32, 10**6, 10_000).intensity == pytest.approx(
+        limit, rel=1e-3
+    )
+    starved = Machine("toy", peak_flops=limit * 2e9, bandwidth=1e9)  # ridge at twice the limit
     assert ridge_batch_size(config, torch.float32, 10_000, starved) is None
+    reachable = Machine("toy", peak_flops=limit * 0.5e9, bandwidth=1e9)
+    assert ridge_batch_size(config, torch.float32, 10_000, reachable) is not None
 
 
 def test_memory_bandwidth_is_measured_positive_and_finite():

@@ -91,15 +91,31 @@ def decode_step_cost(
     return StepCost(flops=float(flops), bytes=float(weight_bytes + kv_bytes))
 
 
+def _per_row_and_fixed(
+    config: ModelConfig, dtype: torch.dtype, context_length: int
+) -> tuple[float, float, float]:
+    """(FLOPs per row, bytes per row, bytes that do not depend on the rows): costs are linear
+    in the batch size, so two batch sizes give all three."""
+    one, two = (decode_step_cost(config, dtype, b, context_length) for b in (1, 2))
+    flops_per_row, bytes_per_row = two.flops - one.flops, two.bytes - one.bytes
+    return flops_per_row, bytes_per_row, one.bytes - bytes_per_row
+
+
+def intensity_limit(config: ModelConfig, dtype: torch.dtype, context_length: int) -> float:
+    """The intensity a decode step approaches as the batch grows: the weights' bytes are shared
+    by ever more rows, but each row still reads its own K/V, so FLOPs per byte level off at
+    (FLOPs per row) / (K/V bytes per row)."""
+    flops_per_row, bytes_per_row, _ = _per_row_and_fixed(config, dtype, context_length)
+    return flops_per_row / bytes_per_row
+
+
 def ridge_batch_size(
     config: ModelConfig, dtype: torch.dtype, context_length: int, machine: Machine
 ) -> float | None:
     """The batch size at which a decode step stops being memory-bound on `machine` (where its
-    intensity reaches the ridge point); None if it never does (long contexts: the KV cache
-    grows with the batch as fast as the FLOPs)."""
-    one, two = (decode_step_cost(config, dtype, b, context_length) for b in (1, 2))
-    flops_per_row, bytes_per_row = two.flops - one.flops, two.bytes - one.bytes
-    fixed_bytes = one.bytes - bytes_per_row
+    intensity reaches the ridge point); None if it never does: when `intensity_limit` is below
+    the ridge, no batch is large enough."""
+    flops_per_row, bytes_per_row, fixed_bytes = _per_row_and_fixed(config, dtype, context_length)
     # flops_per_row * B = ridge * (fixed_bytes + bytes_per_row * B), solved for B.
     room = flops_per_row - machine.ridge_intensity * bytes_per_row
     if room <= 0:
