@@ -1,10 +1,24 @@
 """The learning checks themselves are checked: each passes on minivllm's implementation and
-fails, with a counterexample, on a typical learner's mistake."""
+on its solution, and fails, with a counterexample, on a typical learner's mistake. A stub
+(an exercise not written yet) gets a readable "not implemented yet", and an exception in the
+learner's code is reported with the learner's line."""
+
+import importlib
+import pkgutil
 
 import pytest
 import torch
 
-from minivllm.learning_checks import all_checks, assert_check, run_check
+import minivllm.learning_checks as learning_checks
+from minivllm.learning_checks import (
+    Status,
+    all_checks,
+    assert_check,
+    check,
+    get_solution,
+    run_check,
+    solution_path,
+)
 
 
 def _layer_norm_instead_of_rms_norm(x, weight, eps):
@@ -179,9 +193,15 @@ BROKEN = {
 }
 
 
+# The chapters whose typical mistakes are kept here; a chapter added later may keep its own in
+# its test module (chapter 01b: tests/test_ch01b_decoding.py).
+CHAPTERS_WITH_MISTAKES_HERE = {"ch00", "ch01", "ch02", "ch03", "ch04", "ch05"}
+
+
 def test_every_check_has_a_broken_example():
-    """Each registered check is exercised below with a wrong implementation."""
-    assert set(all_checks()) == set(BROKEN)
+    """Each registered check of those chapters is exercised below with a wrong implementation."""
+    checks = {name for name in all_checks() if name.split(".")[0] in CHAPTERS_WITH_MISTAKES_HERE}
+    assert checks == set(BROKEN)
 
 
 @pytest.mark.parametrize("name", sorted(BROKEN))
@@ -197,3 +217,182 @@ def test_check_fails_on_a_typical_mistake(name):
     assert not result.passed
     assert "Falsifying example" in result.report or "Failing test case" in result.report
     assert "FAIL" in str(result)
+
+
+ALL_CHECKS = sorted(all_checks())
+
+
+@pytest.mark.parametrize("name", ALL_CHECKS)
+def test_every_solution_passes_its_check(name):
+    """The solution kept apart from the notebooks, solutions.chXX.name, passes check chXX.name."""
+    solution = get_solution(name)
+    assert solution.__module__ == solution_path(name).rpartition(".")[0]
+    assert_check(name, solution)
+
+
+def test_solutions_do_not_import_minivllm():
+    """A solution is written as a learner would write it, not by calling minivllm's own code."""
+    import minivllm.learning_checks.solutions as solutions
+
+    for module in pkgutil.iter_modules(solutions.__path__):
+        source = importlib.import_module(f"{solutions.__name__}.{module.name}").__loader__
+        text = source.get_source(f"{solutions.__name__}.{module.name}")
+        assert "import minivllm" not in text and "from minivllm" not in text, module.name
+
+
+def test_every_chapter_module_is_discovered():
+    """Every chapter*.py module of the package registers checks, without being listed."""
+    chapters = [
+        module.name
+        for module in pkgutil.iter_modules(learning_checks.__path__)
+        if module.name.startswith("chapter")
+    ]
+    prefixes = {name.partition(".")[0] for name in all_checks()}
+    assert {"ch" + chapter.removeprefix("chapter") for chapter in chapters} == prefixes
+
+
+@pytest.fixture
+def no_fallback(monkeypatch):
+    """As a learner runs a notebook: a stub is not replaced by the solution."""
+    monkeypatch.delenv("MINIVLLM_QUICK", raising=False)
+    monkeypatch.delenv("MINIVLLM_CHECK_SOLUTIONS", raising=False)
+
+
+def _stub(*args, **kwargs):
+    """An exercise cell as the notebook hands it out."""
+    raise NotImplementedError("write it in the cell above")
+
+
+@pytest.mark.parametrize("name", ALL_CHECKS)
+def test_a_stub_is_not_implemented_yet(name, no_fallback, capsys):
+    """A stub gets a one-line "not implemented yet" with the signature, and no traceback."""
+    result = check(name, _stub)
+    output = capsys.readouterr().out
+    assert result.status is Status.NOT_IMPLEMENTED and not result and not result.passed
+    assert result.solution is None
+    assert output.startswith(f"{name}: not implemented yet: write ")
+    assert "in the cell above; then run this cell again" in output
+    assert "Traceback" not in output and "Error" not in output
+    assert output.count("\n") == 1
+    with pytest.raises(AssertionError, match="not implemented yet"):
+        assert_check(name, _stub)
+
+
+@pytest.mark.parametrize("variable", ["MINIVLLM_CHECK_SOLUTIONS", "MINIVLLM_QUICK"])
+def test_a_stub_falls_back_to_the_solution(variable, no_fallback, monkeypatch, capsys):
+    """In CI (MINIVLLM_QUICK=1) or on request, a stub's check runs on the solution instead."""
+    monkeypatch.setenv(variable, "1")
+    result = check("ch03.slot_mapping", _stub)
+    output = capsys.readouterr().out
+    assert result.status is Status.NOT_IMPLEMENTED
+    assert result.solution is not None and result.solution.passed
+    assert "not implemented yet" in output
+    assert f"checking the solution {solution_path('ch03.slot_mapping')} instead: PASS" in output
+
+
+def test_a_broken_solution_fails_in_ci(no_fallback, monkeypatch, capsys):
+    """With the fallback on, a solution that fails its check makes the notebook cell raise."""
+    import minivllm.learning_checks.solutions.ch03 as solutions_ch03
+
+    monkeypatch.setenv("MINIVLLM_CHECK_SOLUTIONS", "1")
+    monkeypatch.setattr(solutions_ch03, "slot_mapping", _slot_mapping_without_block_size)
+    with pytest.raises(AssertionError, match="fails its check") as raised:
+        check("ch03.slot_mapping", _stub)
+    assert "FAIL ch03.slot_mapping" in str(raised.value)
+
+
+def test_a_written_function_is_checked_whatever_the_environment(monkeypatch, capsys):
+    """The fallback is for stubs only: a learner's own function is always the one checked."""
+    monkeypatch.setenv("MINIVLLM_CHECK_SOLUTIONS", "1")
+    result = check("ch03.slot_mapping", _slot_mapping_without_block_size)
+    assert result.status is Status.FAILED and result.solution is None
+    assert capsys.readouterr().out.startswith("FAIL ch03.slot_mapping")
+
+
+def _slot_mapping_one_past_the_table(block_table, block_size, start, end):
+    slots = []
+    for position in range(start, end):
+        block = block_table[position // block_size + 1]  # the learner's line that raises
+        slots.append(block * block_size + position % block_size)
+    return slots
+
+
+def test_an_exception_reports_the_learners_line(no_fallback):
+    """An exception in the learner's code: the report names the line, shows its source and
+    the call's arguments, and keeps hypothesis' minimal failing input; no traceback."""
+    result = run_check("ch03.slot_mapping", _slot_mapping_one_past_the_table)
+    assert result.status is Status.FAILED
+    lines = _slot_mapping_one_past_the_table.__code__.co_firstlineno
+    assert "IndexError: list index out of range" in result.report
+    assert (
+        f"test_learning_checks.py, line {lines + 3}, in _slot_mapping_one_past_the_table"
+        in result.report
+    )
+    assert "block = block_table[position // block_size + 1]" in result.report
+    assert "in the call _slot_mapping_one_past_the_table(block_table=[0], block_size=1, " in (
+        result.report
+    )
+    assert "Failing test case" in result.report or "Falsifying example" in result.report
+    assert "Traceback" not in result.report
+
+
+def _rms_norm_via_an_abstract_method(x, weight, eps):
+    import logging
+
+    logging.Handler().emit(None)  # the standard library's NotImplementedError, from inside it
+    return x
+
+
+def _rms_norm_in_float8(x, weight, eps):
+    return torch.zeros(1, dtype=torch.float8_e4m3fn) + 1 + x  # PyTorch: not implemented
+
+
+@pytest.mark.parametrize(
+    "function, line",
+    [
+        (_rms_norm_via_an_abstract_method, "logging.Handler().emit(None)"),
+        (_rms_norm_in_float8, "return torch.zeros(1, dtype=torch.float8_e4m3fn) + 1 + x"),
+    ],
+)
+def test_a_library_not_implemented_error_is_a_failure(function, line, no_fallback):
+    """NotImplementedError raised inside a library (Python or C code) is a bug to report, not
+    a stub."""
+    try:
+        function(torch.ones(1, 1), torch.ones(1), 1e-6)
+    except NotImplementedError:
+        pass
+    else:
+        pytest.skip("this PyTorch implements the operation")
+    result = run_check("ch00.rms_norm", function)
+    assert result.status is Status.FAILED
+    assert "NotImplementedError" in result.report
+    assert line in result.report
+
+
+def _rms_norm_returning_a_list(x, weight, eps):
+    return (x / x.pow(2).mean(-1, keepdim=True).add(eps).sqrt() * weight).tolist()
+
+
+def test_an_error_in_the_check_shows_what_the_function_returned(no_fallback):
+    """When the check itself fails on the learner's answer, the report shows that answer."""
+    result = run_check("ch00.rms_norm", _rms_norm_returning_a_list)
+    assert result.status is Status.FAILED
+    assert "raised by the check, on what your function returned: [[" in result.report
+
+
+def test_a_function_written_in_part_says_where_it_stops(no_fallback):
+    """NotImplementedError after some inputs passed: still "not implemented yet", with the
+    input it gave up on and the line that raised."""
+    calls = []
+
+    def slot_mapping_for_one_input(block_table, block_size, start, end):
+        calls.append(start)
+        if len(calls) > 1:
+            raise NotImplementedError("only the first input so far")
+        return get_solution("ch03.slot_mapping")(block_table, block_size, start, end)
+
+    result = run_check("ch03.slot_mapping", slot_mapping_for_one_input)
+    assert result.status is Status.NOT_IMPLEMENTED
+    assert "it returned for 1 input(s), then raised NotImplementedError(" in result.report
+    assert "only the first input so far" in result.report
+    assert "in the call slot_mapping_for_one_input(block_table=" in result.report

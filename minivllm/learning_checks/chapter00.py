@@ -49,7 +49,10 @@ def check_rms_norm(rms_norm) -> None:
         x64 = x.double()
         expected = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
         got = rms_norm(x, weight, eps)
-        assert got.shape == x.shape, f"shape {tuple(got.shape)}, expected {tuple(x.shape)}"
+        assert got.shape == x.shape, (
+            f"shape {tuple(got.shape)}, expected {tuple(x.shape)}, the shape of x "
+            f"(x = {show_values(x)}, weight = {show_values(weight)}, eps={eps})"
+        )
         where = first_mismatch(got, expected, atol=1e-5, rtol=1e-4)
         if where is not None:
             row = where[0]
@@ -114,7 +117,10 @@ def check_rope(rope) -> None:
         expected, _ = apply_rotary_pos_emb(x_hf, x_hf, cos, sin)
         expected = expected[0].transpose(0, 1)
         got = rope(x, position_ids, theta)
-        assert got.shape == x.shape, f"shape {tuple(got.shape)}, expected {tuple(x.shape)}"
+        assert got.shape == x.shape, (
+            f"shape {tuple(got.shape)}, expected {tuple(x.shape)}, the shape of x "
+            f"[tokens, heads, head_dim] (positions={position_ids.tolist()}, theta={theta})"
+        )
         # float32 angles of large positions carry rounding errors of ~1e-4 whichever way the
         # frequencies are written; a wrong rotation is off by O(1).
         where = first_mismatch(got, expected, atol=1e-3)

@@ -58,6 +58,10 @@ def check_generate_without_cache(generate_without_cache) -> None:
             eos = generate_with_transformers(hf_model, prompt, 1)[0]
         expected = generate_with_transformers(hf_model, prompt, max_new_tokens, eos)
         got = generate_without_cache(model, prompt, max_new_tokens, eos)
-        assert list(got) == expected, f"got {list(got)}, transformers generated {expected}"
+        assert list(got) == expected, (
+            f"got {list(got)}, transformers generated {expected} (prompt_token_ids={prompt}, "
+            f"max_new_tokens={max_new_tokens}, eos_token_id={eos}: the tokens up to and "
+            "including the first EOS, at most max_new_tokens of them)"
+        )
 
     property_()

@@ -72,7 +72,10 @@ def check_kv_bytes_per_token(kv_bytes_per_token) -> None:
         )
         got = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         assert got * num_tokens == measured, (
-            f"{got} bytes/token x {num_tokens} tokens != {measured} bytes in transformers' cache"
+            f"got {got} bytes per token, expected {measured // num_tokens}: transformers' "
+            f"cache holds {measured} bytes after {num_tokens} token(s) (num_layers={num_layers}, "
+            f"num_kv_heads={num_kv_heads}, head_dim={head_dim}, dtype={dtype}, "
+            f"{num_kv_heads * group} query head(s))"
         )
 
     property_()
@@ -131,14 +134,20 @@ def check_decode_attention(decode_attention) -> None:
                 expected[b, h] = weights @ v
         got = decode_attention(q, keys, values, seq_lens)
         assert got.shape == expected.shape, (
-            f"shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+            f"shape {tuple(got.shape)}, expected {tuple(expected.shape)} [batch, heads, "
+            f"head_dim] (q {tuple(q.shape)}, keys and values {tuple(keys.shape)}, "
+            f"seq_lens={seq_lens.tolist()})"
         )
         where = first_mismatch(got, expected, atol=1e-5)
         if where is not None:
             b, h = where[:2]
+            n = int(seq_lens[b])
             raise AssertionError(
-                f"row {b} (seq_len {int(seq_lens[b])}), head {h} (reads kv head {h // group}): "
-                f"expected {show_values(expected[b, h])}, got {show_values(got[b, h])}; "
+                f"row {b} (seq_len {n}), head {h} (reads kv head {h // group}): "
+                f"expected {show_values(expected[b, h])}, got {show_values(got[b, h])} "
+                f"for q[{b}, {h}] = {show_values(q[b, h])}, keys[{b}, :{n}, {h // group}] = "
+                f"{show_values(keys[b, :n, h // group])}, values[{b}, :{n}, {h // group}] = "
+                f"{show_values(values[b, :n, h // group])}; "
                 f"{num_mismatches(got, expected, 1e-5, dims=2)} of {batch * heads} (row, head) "
                 f"pairs wrong, max difference {(got.double() - expected).abs().max().item():.3g} "
                 f"(seq_lens={seq_lens.tolist()}, max_len={max_len}, heads={heads}, "

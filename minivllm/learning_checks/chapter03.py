@@ -159,7 +159,10 @@ def check_paged_attention(paged_attention) -> None:
             row += m
 
         got = paged_attention(q, kv, block_tables, seq_lens, query_lens)
-        assert got.shape == q.shape, f"shape {tuple(got.shape)}, expected {tuple(q.shape)}"
+        assert got.shape == q.shape, (
+            f"shape {tuple(got.shape)}, expected {tuple(q.shape)}, the shape of q (seq_lens="
+            f"{seq_lens}, query_lens={query_lens}, kv {tuple(kv.shape)})"
+        )
         where = first_mismatch(got, expected, atol=1e-4)
         if where is not None:
             row, h = where[:2]
@@ -170,10 +173,14 @@ def check_paged_attention(paged_attention) -> None:
                 i += 1
             j = row - first_row
             position = seq_lens[i] - query_lens[i] + j
+            kv_head = h // group
             raise AssertionError(
                 f"row {row} = sequence {i}'s query {j} of {query_lens[i]} (position {position}, "
-                f"sees its keys 0..{position}), head {h} (reads kv head {h // group}): expected "
-                f"{show_values(expected[row, h])}, got {show_values(got[row, h])}; "
+                f"sees its keys 0..{position}), head {h} (reads kv head {kv_head}): expected "
+                f"{show_values(expected[row, h])}, got {show_values(got[row, h])} for "
+                f"q[{row}, {h}] = {show_values(q[row, h])}, the sequence's keys 0..{position} "
+                f"(kv head {kv_head}) = {show_values(dense_k[i][: position + 1, kv_head])} and "
+                f"values = {show_values(dense_v[i][: position + 1, kv_head])}; "
                 f"{num_mismatches(got, expected, 1e-4, dims=2)} of {q.shape[0] * heads} "
                 f"(row, head) pairs wrong, max difference "
                 f"{(got.double() - expected).abs().max().item():.3g} (seq_lens={seq_lens}, "

@@ -91,31 +91,38 @@ def check_schedule_step(schedule_step) -> None:
         )
         got_running, got_waiting = schedule_step(list(running), list(waiting), budget, max_num_seqs)
         got_running, got_waiting = list(got_running), list(got_waiting)
+        world = (
+            f"(running={running}, waiting={waiting}, budget={budget}, max_num_seqs="
+            f"{max_num_seqs}; your grants: running {got_running}, waiting {got_waiting})"
+        )
         assert len(got_running) == len(running) and len(got_waiting) == len(waiting), (
             f"one grant per request expected: got {len(got_running)} for {len(running)} running "
-            f"and {len(got_waiting)} for {len(waiting)} waiting"
+            f"and {len(got_waiting)} for {len(waiting)} waiting {world}"
         )
         needs = running + waiting
         grants = got_running + got_waiting
         for need, grant in zip(needs, grants):
-            assert 0 <= grant <= need, f"a request needing {need} tokens was granted {grant}"
-        assert sum(grants) <= budget, f"granted {sum(grants)} tokens, budget is {budget}"
+            assert 0 <= grant <= need, (
+                f"a request needing {need} tokens was granted {grant} {world}"
+            )
+        assert sum(grants) <= budget, f"granted {sum(grants)} tokens, budget is {budget} {world}"
         admitted = sum(g > 0 for g in got_waiting)
         assert len(running) + admitted <= max_num_seqs, (
-            f"{len(running)} running + {admitted} admitted > max_num_seqs={max_num_seqs}"
+            f"{len(running)} running + {admitted} admitted > max_num_seqs={max_num_seqs} {world}"
         )
         for j, grant in enumerate(grants):
             if grant > 0:
                 short = [i for i in range(j) if grants[i] < needs[i]]
                 assert not short, (
                     f"request {j} (in order: running, then waiting) got {grant} tokens while "
-                    f"request {short[0]} before it got {grants[short[0]]} of {needs[short[0]]}"
+                    f"request {short[0]} before it got {grants[short[0]]} of {needs[short[0]]} "
+                    f"{world}"
                 )
         seats = max_num_seqs - len(running)
         possible = min(budget, sum(running) + sum(waiting[:seats]))
         assert sum(grants) == possible, (
             f"granted {sum(grants)} tokens in all, but {possible} could be scheduled "
-            f"(budget {budget}, {seats} free seats)"
+            f"(budget {budget}, {seats} free seats) {world}"
         )
 
     property_()
@@ -380,6 +387,10 @@ def check_schedule_with_preemption(schedule_with_preemption) -> None:
         got_running, got_waiting, preempted, num_free = result
         got_running, got_waiting = list(got_running), list(got_waiting)
         preempted, num_free = [int(i) for i in preempted], int(num_free)
+        world = (
+            f"{world[:-1]}; your answer: running grants {got_running}, waiting grants "
+            f"{got_waiting}, preempted {preempted}, {num_free} free blocks)"
+        )
         n = len(running)
         assert len(got_running) == n and len(got_waiting) == len(waiting), (
             f"one grant per request expected: got {len(got_running)} for {n} running and "

@@ -1,9 +1,11 @@
-"""Sampling: turning a batch of logits into one next token per sequence.
+"""Chapter 01b — sampling: turning a batch of logits into one next token per sequence.
 
-This is the shared sampling module used by every chapter. Whatever the engine looks like around it
-(a plain loop, continuous batching, paged attention, speculative decoding), the last step of a
-decode step is the same: the model hands back one row of logits per running sequence, and the
-`Sampler` picks one token for each row, each according to that request's own `SamplingParams`.
+Taught in `chapters/01b-decoding.md`, step by step on a real distribution in
+`notebooks/01b-decoding.ipynb`. This is the shared sampling module used by every chapter.
+Whatever the engine looks like around it (a plain loop, continuous batching, paged attention,
+speculative decoding), the last step of a decode step is the same: the model hands back one row
+of logits per running sequence, and the `Sampler` picks one token for each row, each according
+to that request's own `SamplingParams`.
 
 The idea it holds is that sampling is a pipeline of small, separate transforms on the logits,
 applied to the whole batch at once with per-row parameters:
