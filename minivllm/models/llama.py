@@ -219,9 +219,11 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] for the hidden states we sample from.
 
-        Kept apart from `forward` because only the last token of each sequence needs logits:
-        projecting every prompt token onto a 49k vocabulary would cost more than the rest of
-        a small model's forward.
+        Kept apart from `forward` because only the last token of each sequence needs logits.
+        Projecting every prompt token onto a 49k vocabulary would add about a quarter to a
+        small model's arithmetic (576 x 49,152 multiply-adds per token against 30 layers of
+        3.5 M) and hold a [tokens, 49152] float tensor, 56 MiB for a 300-token prompt, for the
+        one row that is used.
         """
         if self.lm_head is not None:
             return self.lm_head(hidden)
