@@ -24,7 +24,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from minivllm.attention.backend import slot_mapping
-from minivllm.core.prefix_cache import BlockHash, PrefixCache, hash_blocks
+from minivllm.core.prefix_cache import PrefixCache
 from minivllm.utils import cdiv
 
 
@@ -61,8 +61,8 @@ class BlockPool:
         blocks = []
         for _ in range(count):
             block_id, _ = self.free_queue.popitem(last=False)
-            if self.prefix_cache is not None:
-                self.prefix_cache.evict(block_id)  # its old content is about to be overwritten
+            if self.prefix_cache is not None:  # chapter 05 hook: its old content is overwritten
+                self.prefix_cache.evict(block_id)
             self.ref_counts[block_id] = 1
             blocks.append(block_id)
         return blocks
@@ -95,10 +95,10 @@ class KVCacheManager:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        # Chapter 05 hook: with prefix caching, full blocks get names other requests can find.
+        self.prefix_cache = PrefixCache(block_size) if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self.block_tables: dict[str, list[int]] = {}
-        self.block_hashes: dict[str, list[BlockHash]] = {}  # of each request's full blocks
 
     @property
     def num_blocks(self) -> int:
@@ -115,17 +115,9 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free_blocks / self.pool.num_blocks
 
     def find_cached_blocks(self, request) -> list[int]:
-        """The longest prefix of the request's full blocks that is already cached.
-
-        At least the last token is left out, so that the forward pass has a token to compute
-        and logits to sample from, even when the whole prompt is cached.
-        """
-        if self.prefix_cache is None:
-            return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        tokens = request.token_ids_between(0, max_blocks * self.block_size)
-        hashes = hash_blocks(tokens, self.block_size, request.cache_salt)
-        return self.prefix_cache.longest_cached_prefix(hashes)
+        """Chapter 05 hook: blocks of the request's prefix already in the pool ([] without a
+        prefix cache)."""
+        return [] if self.prefix_cache is None else self.prefix_cache.find_cached_blocks(request)
 
     def allocate_slots(
         self, request_id: str, num_tokens: int, cached_blocks: list[int] = ()
@@ -144,25 +136,15 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, request) -> None:
-        """Name the request's blocks that are full of computed tokens, so others can find them."""
-        if self.prefix_cache is None:
-            return
-        hashes = self.block_hashes.setdefault(request.request_id, [])
-        num_full = request.num_computed_tokens // self.block_size
-        if num_full <= len(hashes):
-            return
-        tokens = request.token_ids_between(0, num_full * self.block_size)
-        first_new = len(hashes)
-        parent = hashes[-1] if hashes else None
-        hashes += hash_blocks(tokens, self.block_size, request.cache_salt, parent, first_new)
-        table = self.block_tables[request.request_id]
-        for block_index in range(first_new, num_full):
-            self.prefix_cache.insert(hashes[block_index], table[block_index])
+        """Chapter 05 hook: name the request's blocks that have just become full."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.cache_full_blocks(request, self.block_tables[request.request_id])
 
     def free(self, request_id: str) -> None:
         """Return a finished, aborted or preempted request's blocks to the pool."""
         blocks = self.block_tables.pop(request_id, [])
-        self.block_hashes.pop(request_id, None)
+        if self.prefix_cache is not None:  # chapter 05 hook
+            self.prefix_cache.forget_request(request_id)
         # Tail first: with prefix caching, freed blocks stay findable until reused, and a
         # sequence's last blocks are the least likely to be shared, so they go first.
         self.pool.free(list(reversed(blocks)))

@@ -77,11 +77,42 @@ class PrefixCacheStats:
 
 @dataclass
 class PrefixCache:
-    """The map from block hash to the physical block that holds it (and back)."""
+    """The map from block hash to the physical block that holds it (and back), and the hashes
+    of each live request's full blocks. Chapter 03's `KVCacheManager` holds one when prefix
+    caching is on and calls it from a few one-line hooks."""
 
+    block_size: int
     block_of_hash: dict[BlockHash, int] = field(default_factory=dict)
     hash_of_block: dict[int, BlockHash] = field(default_factory=dict)
-    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    request_hashes: dict[str, list[BlockHash]] = field(default_factory=dict)
+
+    def find_cached_blocks(self, request) -> list[int]:
+        """The longest prefix of the request's full blocks that is already cached.
+
+        At least the last token is left out, so that the forward pass has a token to compute
+        and logits to sample from, even when the whole prompt is cached.
+        """
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        tokens = request.token_ids_between(0, max_blocks * self.block_size)
+        return self.longest_cached_prefix(hash_blocks(tokens, self.block_size, request.cache_salt))
+
+    def cache_full_blocks(self, request, block_table: list[int]) -> None:
+        """Name the request's blocks that are full of computed tokens, so others can find them.
+        Hashes are computed once per block: each step adds only the blocks that just filled."""
+        hashes = self.request_hashes.setdefault(request.request_id, [])
+        num_full = request.num_computed_tokens // self.block_size
+        if num_full <= len(hashes):
+            return
+        tokens = request.token_ids_between(0, num_full * self.block_size)
+        first_new = len(hashes)
+        parent = hashes[-1] if hashes else None
+        hashes += hash_blocks(tokens, self.block_size, request.cache_salt, parent, first_new)
+        for block_index in range(first_new, num_full):
+            self.insert(hashes[block_index], block_table[block_index])
+
+    def forget_request(self, request_id: str) -> None:
+        """The request is gone; its blocks keep their names (they stay findable until reused)."""
+        self.request_hashes.pop(request_id, None)
 
     def longest_cached_prefix(self, block_hashes: list[BlockHash]) -> list[int]:
         """Physical blocks of the longest run of leading hashes that are cached."""
