@@ -73,6 +73,7 @@ from minivllm.bench.benchmark import (
     workload_kv_cache_bytes,
     write_json,
 )
+from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.workloads import (
     Workload,
     chat_prompt_of_length,
@@ -331,7 +332,7 @@ def measure_naive_cost(run: Run) -> Chapter:
     ax1.set_ylim(bottom=0)
     ax1.set_title("a forward pass over the whole sequence, per new token")
     ax1.grid(alpha=0.3)
-    throughput_bars(ax2, results, baseline="naive")
+    plot_throughput(results, "", ax=ax2, baseline="naive")
     ax2.set_title("whole requests")
     fig.suptitle(run.title("Cost of generation without a KV cache", workload), fontsize=10)
     return Chapter(
@@ -366,7 +367,7 @@ def measure_kv_cache(run: Run) -> Chapter:
     static_batch = static_batch_memory(run, ctx)
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.4), layout="constrained")
-    throughput_bars(ax1, results, baseline="naive")
+    plot_throughput(results, "", ax=ax1, baseline="naive")
     ax1.set_title("whole requests, one static batch", fontsize=9)
     rows = list(sizes.decode_rows)
     ax2.plot(rows, [r / s for r, s in zip(rows, decode_seconds)], "o-", color="tab:green")
@@ -624,7 +625,7 @@ def measure_throughput(run: Run) -> Chapter:
     results = run.benchmark(ctx, workload, methods)
 
     fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(results)), layout="constrained")
-    throughput_bars(ax, results, baseline=f"static:{seats}")
+    plot_throughput(results, "", ax=ax, baseline=f"static:{seats}")
     fig.suptitle(
         run.title(f"Static vs continuous batching, at most {seats} sequences at once", workload),
         fontsize=10,
@@ -688,36 +689,6 @@ def measure_prefix_cache(run: Run) -> Chapter:
 
 
 # --- shared by the chapters --------------------------------------------------------------------
-
-
-# Bar colours by method, as in the notebooks: transformers, chapter 01, 02, the engine.
-METHOD_COLORS = {
-    "hf": "tab:orange",
-    "naive": "tab:gray",
-    "kv-cache": "tab:blue",
-    "static": "tab:green",
-    "engine": "tab:purple",
-}
-
-
-def throughput_bars(ax, results: list[MethodResult], baseline: str) -> None:
-    """Horizontal bars of output tokens/s, each labelled with its speedup over `baseline`."""
-    base = next(r for r in results if r.method == baseline).output_tokens_per_s
-    rates = [r.output_tokens_per_s for r in results]
-    colors = [
-        next(color for prefix, color in METHOD_COLORS.items() if r.method.startswith(prefix))
-        for r in results
-    ]
-    bars = ax.barh([r.label for r in results], rates, color=colors)
-    # Hatched: a dtype other than the run's ("engine@bfloat16").
-    for bar, r in zip(bars, results):
-        bar.set_hatch("//" if "@" in r.method else "")
-    ax.bar_label(bars, [f" {rate:.0f} tok/s, {rate / base:.2f}x" for rate in rates], fontsize=8)
-    ax.invert_yaxis()  # the first method on top
-    ax.set_xlim(0, max(rates) * 1.45)
-    ax.set_xlabel("output tokens per second")
-    ax.tick_params(axis="y", labelsize=8)
-    ax.grid(axis="x", alpha=0.3)
 
 
 CHAPTERS = (
