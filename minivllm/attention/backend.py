@@ -142,8 +142,9 @@ ATTENTION_BACKENDS = {
 }
 
 
-def resolve_attention_backend_name(name: str, device: torch.device) -> str:
-    """ "auto" picks the best backend for the device; any other name must be registered."""
+def resolve_attention_backend_name(name: str) -> str:
+    """ "auto" picks the best registered backend (today the only one, "torch"); any other name
+    must be registered."""
     if name == "auto":
         return "torch"
     if name not in ATTENTION_BACKENDS:

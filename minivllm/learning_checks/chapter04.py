@@ -7,24 +7,40 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minivllm.learning_checks import check_settings, learning_check
+from minivllm.utils import cdiv
+
+
+def _counting_request(request_id: str, num_tokens: int):
+    """A request of `num_tokens` tokens for the scheduler alone, which only counts tokens."""
+    from minivllm.core.request import Request
+    from minivllm.sample.sampling_params import SamplingParams
+
+    return Request(
+        request_id=request_id,
+        prompt=None,
+        prompt_token_ids=[0] * num_tokens,
+        params=SamplingParams(temperature=0.0),
+        eos_token_ids=(),
+        max_model_len=num_tokens + 1,
+        detokenizer=None,  # never used: the scheduler only counts tokens
+    )
+
+
+def _start_running(scheduler, request, num_computed: int) -> None:
+    """Put a request straight into `running` with `num_computed` tokens (and their blocks) in
+    the cache, as if earlier steps had admitted it."""
+    from minivllm.core.request import RequestStatus
+
+    scheduler.add_request(request)
+    scheduler.waiting.remove(request)
+    request.status, request.num_computed_tokens = RequestStatus.RUNNING, num_computed
+    assert scheduler.kv_cache_manager.allocate_slots(request.request_id, num_computed)
+    scheduler.running.append(request)
 
 
 def _our_schedule_step():
     from minivllm.core.kv_cache_manager import KVCacheManager
-    from minivllm.core.request import Request, RequestStatus
     from minivllm.core.scheduler import Scheduler, SchedulerConfig
-    from minivllm.sample.sampling_params import SamplingParams
-
-    def make_request(request_id: str, num_tokens: int, num_computed: int) -> Request:
-        return Request(
-            request_id=request_id,
-            prompt=None,
-            prompt_token_ids=[0] * num_tokens,
-            params=SamplingParams(temperature=0.0),
-            eos_token_ids=(),
-            max_model_len=num_tokens + 1,
-            detokenizer=None,  # never used: the scheduler only counts tokens
-        )
 
     def schedule_step(running, waiting, budget, max_num_seqs):
         # A pool with room for everything: the rule alone decides, never a lack of blocks.
@@ -36,14 +52,10 @@ def _our_schedule_step():
         running_requests = []
         for i, remaining in enumerate(running):
             computed = 8  # tokens already in the cache; any number would do
-            request = make_request(f"r{i}", computed + remaining, computed)
-            scheduler.add_request(request)
-            scheduler.waiting.remove(request)
-            request.status, request.num_computed_tokens = RequestStatus.RUNNING, computed
-            manager.allocate_slots(request.request_id, computed)
-            scheduler.running.append(request)
+            request = _counting_request(f"r{i}", computed + remaining)
+            _start_running(scheduler, request, computed)
             running_requests.append(request)
-        waiting_requests = [make_request(f"w{i}", n, 0) for i, n in enumerate(waiting)]
+        waiting_requests = [_counting_request(f"w{i}", n) for i, n in enumerate(waiting)]
         for request in waiting_requests:
             scheduler.add_request(request)
         granted = scheduler.schedule().num_scheduled_tokens
@@ -271,20 +283,7 @@ def check_prepare_inputs(prepare_inputs) -> None:
 
 def _our_schedule_with_preemption():
     from minivllm.core.kv_cache_manager import KVCacheManager
-    from minivllm.core.request import Request, RequestStatus
     from minivllm.core.scheduler import Scheduler, SchedulerConfig
-    from minivllm.sample.sampling_params import SamplingParams
-
-    def make_request(request_id: str, num_tokens: int) -> Request:
-        return Request(
-            request_id=request_id,
-            prompt=None,
-            prompt_token_ids=[0] * num_tokens,
-            params=SamplingParams(temperature=0.0),
-            eos_token_ids=(),
-            max_model_len=num_tokens + 1,
-            detokenizer=None,  # never used: the scheduler only counts tokens
-        )
 
     def schedule_with_preemption(running, waiting, budget, max_num_seqs, num_blocks, block_size):
         manager = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
@@ -293,16 +292,12 @@ def _our_schedule_with_preemption():
         )
         running_ids = []
         for i, (computed, remaining) in enumerate(running):
-            request = make_request(f"r{i}", computed + remaining)
-            scheduler.add_request(request)
-            scheduler.waiting.remove(request)
-            request.status, request.num_computed_tokens = RequestStatus.RUNNING, computed
-            assert manager.allocate_slots(request.request_id, computed)
-            scheduler.running.append(request)
+            request = _counting_request(f"r{i}", computed + remaining)
+            _start_running(scheduler, request, computed)
             running_ids.append(request.request_id)
         waiting_ids = []
         for i, prompt_len in enumerate(waiting):
-            request = make_request(f"w{i}", prompt_len)
+            request = _counting_request(f"w{i}", prompt_len)
             scheduler.add_request(request)
             waiting_ids.append(request.request_id)
         output = scheduler.schedule()
@@ -315,10 +310,6 @@ def _our_schedule_with_preemption():
         )
 
     return schedule_with_preemption
-
-
-def _blocks(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
 
 
 @learning_check(
@@ -371,7 +362,7 @@ def check_schedule_with_preemption(schedule_with_preemption) -> None:
         waiting = data.draw(st.lists(st.integers(1, 12), max_size=3), label="waiting")
         budget = data.draw(st.integers(1, 30), label="budget")
         max_num_seqs = data.draw(st.integers(len(running), len(running) + 3), label="seats")
-        held = [_blocks(computed, block_size) for computed, _ in running]
+        held = [cdiv(computed, block_size) for computed, _ in running]
         num_blocks = sum(held) + data.draw(st.integers(0, 3), label="free blocks")
         world = (
             f"(running={running}, waiting={waiting}, budget={budget}, max_num_seqs="
@@ -428,8 +419,8 @@ def check_schedule_with_preemption(schedule_with_preemption) -> None:
             )
 
         # 4. The pool holds what remains; the rest is free.
-        used = sum(_blocks(running[i][0] + got_running[i], block_size) for i in kept)
-        used += sum(_blocks(got_waiting[j], block_size) for j in admitted)
+        used = sum(cdiv(running[i][0] + got_running[i], block_size) for i in kept)
+        used += sum(cdiv(got_waiting[j], block_size) for j in admitted)
         assert used <= num_blocks, (
             f"the grants need {used} blocks, the pool has {num_blocks} {world}"
         )
@@ -444,7 +435,7 @@ def check_schedule_with_preemption(schedule_with_preemption) -> None:
             oldest = preempted[-1]
             left = budget - sum(got_running[i] for i in kept)
             computed, remaining = running[oldest]
-            would_need = used + _blocks(computed + min(remaining, left), block_size)
+            would_need = used + cdiv(computed + min(remaining, left), block_size)
             assert would_need > num_blocks, (
                 f"running request {oldest} was preempted, but it fitted: granted "
                 f"{min(remaining, left)} tokens beside the requests kept, {would_need} of "
@@ -472,7 +463,7 @@ def check_schedule_with_preemption(schedule_with_preemption) -> None:
         seats_left = max_num_seqs - len(kept) - len(admitted)
         if not preempted and left > 0 and seats_left > 0 and refused:
             j = refused[0]
-            would_need = used + _blocks(min(waiting[j], left), block_size)
+            would_need = used + cdiv(min(waiting[j], left), block_size)
             assert would_need > num_blocks, (
                 f"waiting request {j} was not admitted, though {left} tokens of budget, "
                 f"{seats_left} seat(s) and the blocks for {min(waiting[j], left)} of its tokens "

@@ -48,7 +48,7 @@ class Worker:
         if self.device.type == "cpu":
             keep_freed_memory_in_process()  # steps reuse activation memory without page faults
         self.model = load_model(model_path, self.dtype, self.device)
-        backend_name = resolve_attention_backend_name(config.attention_backend, self.device)
+        backend_name = resolve_attention_backend_name(config.attention_backend)
         self.attention_backend = get_attention_backend(backend_name)
         self.model_runner: ModelRunner | None = None  # built once the pool's size is known
 
