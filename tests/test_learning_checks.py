@@ -177,6 +177,17 @@ def _cached_prefix_length_without_last_token(block_hashes, cached, num_tokens, b
     return num_cached * block_size
 
 
+def _gather_kv_along_the_inner_dimension_wrongly(kv, block_tables, length):
+    """Reads slot p % block_size of block p // block_size of the *pool*, not of the sequence's
+    own table: right only when the table happens to be 0, 1, 2, ..."""
+    num_seqs = block_tables.shape[0]
+    block_size = kv.shape[2]
+    positions = torch.arange(length)
+    keys = kv[0][positions // block_size, positions % block_size]
+    values = kv[1][positions // block_size, positions % block_size]
+    return keys.expand(num_seqs, *keys.shape), values.expand(num_seqs, *values.shape)
+
+
 BROKEN = {
     "ch00.rms_norm": _layer_norm_instead_of_rms_norm,
     "ch00.rope": _rope_on_interleaved_pairs,
@@ -190,12 +201,13 @@ BROKEN = {
     "ch04.schedule_with_preemption": _schedule_admitting_after_preemption,
     "ch05.block_hashes": _block_hashes_without_chain,
     "ch05.cached_prefix_length": _cached_prefix_length_without_last_token,
+    "chA.gather_kv": _gather_kv_along_the_inner_dimension_wrongly,
 }
 
 
 # The chapters whose typical mistakes are kept here; a chapter added later may keep its own in
 # its test module (chapter 01b: tests/test_ch01b_decoding.py).
-CHAPTERS_WITH_MISTAKES_HERE = {"ch00", "ch01", "ch02", "ch03", "ch04", "ch05"}
+CHAPTERS_WITH_MISTAKES_HERE = {"ch00", "ch01", "ch02", "ch03", "ch04", "ch05", "chA"}
 
 
 def test_every_check_has_a_broken_example():
