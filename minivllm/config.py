@@ -20,7 +20,7 @@ from minivllm.utils import as_int, float_in, int_at_least, reject
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "auto" and the names registered in attention/backend.py (a test keeps the two in step).
-ATTENTION_BACKEND_NAMES = ("auto", "torch")
+ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton", "flex")
 # RoPE variants whose frequencies do not depend on the sequence length, so they can be computed
 # once when the model is built (dynamic NTK scaling would need recomputing per step).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")

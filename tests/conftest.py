@@ -17,6 +17,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without a GPU, chapter 06's Triton kernels run in Triton's interpreter. Triton reads the
+# setting when a kernel is defined, so it is made before any test imports one.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from minivllm.models.loader import embedded_model_dir, load_model, load_tokenizer  # noqa: E402
 from minivllm.models.tiny import TINY_FAMILIES, make_tiny_model  # noqa: E402
 

@@ -12,11 +12,16 @@ placement, chunk shape or head grouping.
 from __future__ import annotations
 
 import copy
-import math
 from collections import Counter
 
 import pytest
 import torch
+from attention_cases import (
+    attention_config,
+    backend_step,
+    blocks_for,
+    paged_batches,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -27,33 +32,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from minivllm.attention.backend import AttentionMetadata, PagedKVCache
+from minivllm.attention.backend import PagedKVCache
 from minivllm.attention.torch_paged import TorchPagedAttention, paged_attention, write_kv
-from minivllm.config import ModelConfig
 from minivllm.core.kv_cache_manager import BlockPool, KVCacheManager
-
-
-def blocks_for(num_tokens: int, block_size: int) -> int:
-    """By definition: the fewest blocks of `block_size` slots that hold `num_tokens` tokens."""
-    return math.ceil(num_tokens / block_size)
-
-
-def attention_config(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8) -> ModelConfig:
-    """A model config with just the shapes the KV cache reads (the rest is never used)."""
-    return ModelConfig(
-        model_type="llama",
-        vocab_size=32,
-        hidden_size=num_heads * head_dim,
-        intermediate_size=16,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-
 
 # --- the block pool as a state machine ------------------------------------------------------
 
@@ -310,89 +291,17 @@ def test_slot_of_the_chapter_picture():
 # --- paged attention == dense attention -----------------------------------------------------
 
 
-@st.composite
-def paged_batches(draw):
-    """A flat batch of sequences with random cached/new token counts, scattered over a pool."""
-    block_size = draw(st.sampled_from([1, 2, 3, 5, 8, 16]))
-    num_kv_heads = draw(st.integers(1, 3))
-    group = draw(st.integers(1, 3))  # query heads per KV head (GQA)
-    head_dim = draw(st.sampled_from([4, 8]))
-    # (tokens already cached, new tokens this step): 1 new token is a decode, more a prefill
-    # chunk, which starts mid-sequence when some tokens are already cached.
-    sequences = draw(
-        st.lists(
-            st.tuples(st.integers(0, 30), st.one_of(st.just(1), st.integers(2, 12))),
-            min_size=1,
-            max_size=5,
-        )
-    )
-    spare_blocks = draw(st.integers(0, 3))
-    num_blocks = sum(blocks_for(c + n, block_size) for c, n in sequences) + spare_blocks
-    physical = draw(st.permutations(range(num_blocks)))  # shuffled physical block ids
-    seed = draw(st.integers(0, 2**31 - 1))
-    return block_size, num_kv_heads, group, head_dim, sequences, physical, seed
-
-
-def dense_attention(q, keys, values, group: int) -> torch.Tensor:
-    """The definition, in float64: query i of a chunk of L new tokens in a sequence of S tokens
-    sits at position S - L + i and attends with softmax(q.k / sqrt(d)) to keys 0..S-L+i; query
-    head h reads KV head h // group."""
-    q, keys, values = q.double(), keys.double(), values.double()
-    num_queries, num_keys = q.shape[0], keys.shape[0]
-    keys = keys.repeat_interleave(group, dim=1)  # [S, heads, d]
-    values = values.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, keys) / math.sqrt(q.shape[-1])
-    query_positions = torch.arange(num_keys - num_queries, num_keys)
-    visible = torch.arange(num_keys)[None, :] <= query_positions[:, None]  # [L, S]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-
-
 @settings(max_examples=60, deadline=None)
 @given(batch=paged_batches())
 def test_paged_attention_equals_dense_attention(batch):
     """Whatever the block size, block placement, mix of decodes and prefill chunks, and GQA
     grouping, attention read through block tables equals plain attention over each sequence."""
-    block_size, num_kv_heads, group, head_dim, sequences, physical, seed = batch
-    generator = torch.Generator().manual_seed(seed)
-    num_heads = num_kv_heads * group
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=generator)
-
-    config = attention_config(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    cache = PagedKVCache(config, len(physical), block_size, torch.float32, "cpu")
-    kv = cache.layers[0]
-    kv.copy_(10 * randn(*kv.shape))  # stale garbage everywhere: reading a wrong slot shows
-
-    tables, all_slots, keys, values, queries = [], [], [], [], []
-    new_slots, query_lens, seq_lens = [], [], []
-    next_block = 0
-    for cached, new in sequences:
-        seq_len = cached + new
-        num = blocks_for(seq_len, block_size)
-        table = list(physical[next_block : next_block + num])
-        next_block += num
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-        tables.append(table)
-        all_slots += slots
-        new_slots += slots[cached:]
-        keys.append(randn(seq_len, num_kv_heads, head_dim))
-        values.append(randn(seq_len, num_kv_heads, head_dim))
-        queries.append(randn(new, num_heads, head_dim))
-        query_lens.append(new)
-        seq_lens.append(seq_len)
-
-    write_kv(kv, torch.cat(keys), torch.cat(values), torch.tensor(all_slots))
-    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, new_slots)
-    q = torch.cat(queries)
-    out = paged_attention(q, kv, metadata)
-
-    expected = torch.cat(
-        [dense_attention(qi, ki, vi, group) for qi, ki, vi in zip(queries, keys, values)]
-    )
-    assert out.shape == q.shape
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    step = backend_step(batch)
+    kv = step.cache.layers[0]
+    write_kv(kv, step.new_k, step.new_v, step.metadata.slot_mapping)  # the whole context is in
+    out = paged_attention(step.q, kv, step.metadata)
+    assert out.shape == step.q.shape
+    torch.testing.assert_close(out.double(), step.expected, atol=1e-5, rtol=1e-5)
 
 
 @settings(max_examples=25, deadline=None)
@@ -400,44 +309,10 @@ def test_paged_attention_equals_dense_attention(batch):
 def test_torch_backend_writes_new_tokens_then_attends(batch):
     """The "torch" backend as the model calls it: only earlier steps' K/V are in the pool; it
     writes this step's K/V at slot_mapping, then attends, matching dense attention."""
-    block_size, num_kv_heads, group, head_dim, sequences, physical, seed = batch
-    generator = torch.Generator().manual_seed(seed)
-    num_heads = num_kv_heads * group
-    config = attention_config(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
-    cache = PagedKVCache(config, len(physical), block_size, torch.float32, "cpu")
-    kv = cache.layers[0]
-    kv.copy_(10 * torch.randn(kv.shape, generator=generator))
-
-    tables, new_slots, query_lens, seq_lens = [], [], [], []
-    queries, keys, values, new_keys, new_values = [], [], [], [], []
-    next_block = 0
-    for cached, new in sequences:
-        seq_len = cached + new
-        num = blocks_for(seq_len, block_size)
-        table = list(physical[next_block : next_block + num])
-        next_block += num
-        slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-        k = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator)
-        v = torch.randn(seq_len, num_kv_heads, head_dim, generator=generator)
-        if cached:  # what earlier steps wrote
-            write_kv(kv, k[:cached], v[:cached], torch.tensor(slots[:cached]))
-        tables.append(table)
-        new_slots += slots[cached:]
-        keys.append(k)
-        values.append(v)
-        new_keys.append(k[cached:])
-        new_values.append(v[cached:])
-        queries.append(torch.randn(new, num_heads, head_dim, generator=generator))
-        query_lens.append(new)
-        seq_lens.append(seq_len)
-
-    metadata = AttentionMetadata.build(query_lens, seq_lens, tables, new_slots)
-    backend = TorchPagedAttention(cache, metadata)
-    out = backend(0, torch.cat(queries), torch.cat(new_keys), torch.cat(new_values))
-    expected = torch.cat(
-        [dense_attention(qi, ki, vi, group) for qi, ki, vi in zip(queries, keys, values)]
-    )
-    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    step = backend_step(batch)
+    backend = TorchPagedAttention(step.cache, step.metadata)
+    out = backend(0, step.q, step.new_k, step.new_v)
+    torch.testing.assert_close(out.double(), step.expected, atol=1e-5, rtol=1e-5)
 
 
 # --- how many blocks a memory budget holds --------------------------------------------------

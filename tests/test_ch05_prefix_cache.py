@@ -685,7 +685,7 @@ def test_different_cache_salts_never_share_blocks(tiny_dir, tiny_greedy):
 
 def test_prefix_cache_metrics_agree_with_the_requests(tiny_dir):
     """prefix_cache_queries is the prompt tokens looked up, prefix_cache_hits the sum of the
-    requests' num_cached_tokens, hit_rate their ratio; with caching off there are no hits."""
+    requests' num_cached_tokens, hit_rate their ratio; with caching off nothing is looked up."""
     rounds = [shared_prefix_prompts([1, 4], seed=1100), shared_prefix_prompts([3, 2, 6], 1110)]
     for enabled in (True, False):
         llm = tiny_llm(tiny_dir, enable_prefix_caching=enabled)
@@ -701,6 +701,7 @@ def test_prefix_cache_metrics_agree_with_the_requests(tiny_dir):
             )
         else:
             assert cached == 0 and found["minivllm:prefix_cache_hit_rate"] == 0
+            assert found["vllm:prefix_cache_queries"] == 0
 
 
 def test_last_step_hit_rate_counts_the_requests_admitted_in_that_step(tiny_dir):

@@ -24,6 +24,7 @@ model runner never changes when the kernel does:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -129,6 +130,12 @@ class PagedAttentionBackend(ABC):
         self.kv_cache = kv_cache
         self.metadata = metadata
 
+    @classmethod
+    def for_device(cls, device: torch.device) -> type[PagedAttentionBackend]:
+        """The backend to use on `device`: this one (the reference runs anywhere), another one
+        it falls back to, or a ValueError saying why it cannot run there."""
+        return cls
+
     @abstractmethod
     def __call__(
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -139,19 +146,25 @@ class PagedAttentionBackend(ABC):
 # without Triton can still run the torch backend.
 ATTENTION_BACKENDS = {
     "torch": "minivllm.attention.torch_paged:TorchPagedAttention",
+    "triton": "minivllm.attention.triton_paged:TritonPagedAttention",  # chapter 06
+    "flex": "minivllm.attention.flex_paged:FlexPagedAttention",  # chapter 06
 }
 
 
-def resolve_attention_backend_name(name: str) -> str:
-    """ "auto" picks the best registered backend (today the only one, "torch"); any other name
-    must be registered."""
+def resolve_attention_backend_name(name: str, device: torch.device) -> str:
+    """ "auto" picks the best registered backend for the device: chapter 06's Triton kernels on
+    a CUDA GPU, the torch reference elsewhere. Any other name must be registered."""
     if name == "auto":
-        return "torch"
+        return "triton" if device.type == "cuda" and triton_is_installed() else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
             f"attention_backend must be 'auto' or one of {sorted(ATTENTION_BACKENDS)}, got {name!r}"
         )
     return name
+
+
+def triton_is_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def get_attention_backend(name: str) -> type[PagedAttentionBackend]:

@@ -74,6 +74,11 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
+    def record(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """One admitted request: its prompt was looked up, `num_cached_tokens` were found."""
+        self.queries += num_prompt_tokens
+        self.hits += num_cached_tokens
+
 
 @dataclass
 class PrefixCache:

@@ -14,7 +14,8 @@ All grants share one token budget per step (`max_num_batched_tokens`), and at mo
 `max_num_seqs` requests run. Running requests go first, then waiting ones in order. When the
 KV pool runs out of blocks, the scheduler *preempts*: the newest running request (or the one
 with the lowest priority) gives back all its blocks and returns to the front of the waiting
-queue, to be recomputed from scratch later. Greedy outputs are identical; only time is lost.
+queue, to be recomputed from scratch later. Only time is lost: the recomputed K/V equal the
+first ones up to float rounding (one prefill adds in another order than the decode steps did).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.prefix_cache_stats = PrefixCacheStats()  # cumulative, in prompt tokens
+        self.prefix_cache_stats = PrefixCacheStats()  # chapter 05 hook: cumulative, in tokens
         self._arrival_order: dict[str, int] = {}
         self._arrival_counter = itertools.count()
         self._runner_views: dict[str, RunnerView] = {}  # requests the runner holds
@@ -110,9 +111,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self._next_waiting()
-            # Chapter 05: blocks another request already computed are shared, not recomputed.
-            cached_blocks = self.kv_cache_manager.find_cached_blocks(request)
-            num_cached = len(cached_blocks) * self.kv_cache_manager.block_size
+            cached_blocks = self.kv_cache_manager.find_cached_blocks(request)  # chapter 05 hook
+            num_cached = len(cached_blocks) * self.kv_cache_manager.block_size  # 0 without it
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -121,16 +121,15 @@ class Scheduler:
             if not self.kv_cache_manager.allocate_slots(request.request_id, total, cached_blocks):
                 break
             request.num_computed_tokens = num_cached
-            self.prefix_cache_stats.queries += request.num_tokens
-            self.prefix_cache_stats.hits += num_cached
-            if request.metrics.first_scheduled_time is None:
-                request.num_cached_tokens = num_cached
+            if self.kv_cache_manager.prefix_cache is not None:  # chapter 05 hook: count
+                self.prefix_cache_stats.record(request.num_tokens, num_cached)
             self.waiting.remove(request)
             admitted.append(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_cached  # chapter 05: reported in the output
             granted[request.request_id] = num_new
             budget -= num_new
 

@@ -50,12 +50,14 @@ def check_generate_without_cache(generate_without_cache) -> None:
         prompt=st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=12),
         max_new_tokens=st.integers(1, 8),
         stop_at_eos=st.booleans(),
+        eos_step=st.integers(0, 7),
     )
-    def property_(prompt, max_new_tokens, stop_at_eos):
-        # An EOS the model is likely to produce: the greedy first token of this prompt.
+    def property_(prompt, max_new_tokens, stop_at_eos, eos_step):
+        # An EOS the model produces: its greedy token at step eos_step (often after a few
+        # tokens, so the loop must stop mid-answer, not only before it starts).
         eos = None
         if stop_at_eos:
-            eos = generate_with_transformers(hf_model, prompt, 1)[0]
+            eos = generate_with_transformers(hf_model, prompt, eos_step + 1)[eos_step]
         expected = generate_with_transformers(hf_model, prompt, max_new_tokens, eos)
         got = generate_without_cache(model, prompt, max_new_tokens, eos)
         assert list(got) == expected, (

@@ -19,7 +19,7 @@ Parameter names mirror Hugging Face's (`model.layers.0.self_attn.o_proj.weight`,
 exception that is also vLLM's: projections that read the same input are fused into one matrix.
 q, k and v become `qkv_proj`, gate and up become `gate_up_proj`: one large matrix product
 instead of three or two small ones, which keeps the CPU's (or GPU's) arithmetic units busier.
-The loader concatenates the checkpoint's matrices (`model_loader.fuse_projections`).
+The loader concatenates the checkpoint's matrices (`loader.fuse_projections`).
 """
 
 from __future__ import annotations

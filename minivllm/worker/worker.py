@@ -47,9 +47,10 @@ class Worker:
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_process()  # steps reuse activation memory without page faults
+        backend_name = resolve_attention_backend_name(config.attention_backend, self.device)
+        # Decided before the model takes memory: a backend may refuse the device or fall back.
+        self.attention_backend = get_attention_backend(backend_name).for_device(self.device)
         self.model = load_model(model_path, self.dtype, self.device)
-        backend_name = resolve_attention_backend_name(config.attention_backend)
-        self.attention_backend = get_attention_backend(backend_name)
         self.model_runner: ModelRunner | None = None  # built once the pool's size is known
 
     def determine_num_kv_blocks(self) -> int:

@@ -14,9 +14,9 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     by the angle position * theta^(-2i/head_dim). x: [tokens, heads, head_dim]."""
     head_dim = x.shape[-1]
     half = head_dim // 2
-    # One frequency per pair of features: theta^(-2i/head_dim) for i < head_dim/2. Writing it
-    # 1 / theta^(2i/head_dim) instead rounds differently in float32; at position 4,000 the
-    # difference is ~1e-4, well inside the check's tolerance of 1e-3.
+    # One frequency per pair of features, i < head_dim/2: computed as 1 / theta^(2i/head_dim).
+    # Writing it theta^(-2i/head_dim) instead rounds differently in float32; at position 4,000
+    # the difference is ~1e-4, well inside the check's tolerance of 1e-3.
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     angles = positions.float()[:, None] * inv_freq[None, :]  # [tokens, head_dim / 2]
     cos = angles.cos()[:, None, :]  # [tokens, 1, head_dim / 2]: the same for every head

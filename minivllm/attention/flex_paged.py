@@ -1,0 +1,239 @@
+"""Chapter 06 — FlexAttention: a compiled block-sparse kernel reads the paged pool in place.
+
+PyTorch's `flex_attention` is attention with two hooks. A `mask_mod(b, h, q_idx, kv_idx)` says
+which scores exist; a `BlockMask` lists, for each tile of queries, the tiles of keys worth
+visiting. `torch.compile` fuses the pair into one kernel (Triton on a GPU, C++ on a CPU) that
+never stores the score matrix and skips every tile the block mask leaves out.
+
+The paged pool fits that shape without a copy. Flex gets the *whole* pool as its keys and
+values, `[1, kv_heads, slots, head_dim]`, and each sequence gets its own batch entry whose
+block-mask row lists exactly the physical blocks of its block table: the kernel visits those
+blocks, where they lie, and no others. Inside them the mask_mod turns a physical slot back
+into the sequence's position (`physical_to_logical`) and applies the causal rule, shifted by
+the tokens already cached:
+
+    block table of sequence b: [7, 2]          (block_size 4, 6 tokens, 2 of them new)
+    physical_to_logical[b]:    block 7 -> 0, block 2 -> 1, every other block -> -1
+    slot 9 = block 2, offset 1 -> position 1 * 4 + 1 = 5: visible to the query at position 5
+
+A step's decodes (one query each) run as one call, `[decodes, heads, 1, head_dim]`; its prefill
+chunks as another, padded to the longest chunk. What compiles when: the first call of each
+shape family compiles (tens of seconds on a CPU; inductor caches the result on disk, so the
+next process loads it); sizes are marked dynamic, so new batch sizes and chunk lengths reuse
+the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from minivllm.attention.backend import (
+    AttentionMetadata,
+    PagedAttentionBackend,
+    PagedKVCache,
+    query_starts,
+)
+from minivllm.attention.torch_paged import TorchPagedAttention, write_kv
+from minivllm.utils import cdiv
+
+# Query rows per block-mask tile of a prefill chunk: the causal rule skips whole key blocks
+# per tile, so smaller tiles skip more; larger tiles cost less bookkeeping.
+PREFILL_QUERY_TILE = 64
+
+
+# Dynamo compiles once per shape it meets (PyTorch 2.13's CPU code generator fails on dynamic
+# flex shapes), so shapes are padded to powers of two: a handful of kernels cover every step.
+MAX_COMPILED_SHAPES = 64
+
+
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled for static shapes, allowed one kernel per bucket of shapes."""
+    compiled = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES)(compiled)
+
+
+def bucket(n: int, smallest: int = 1) -> int:
+    """n rounded up to a power of two, at least `smallest`: the padded size of a shape."""
+    return max(smallest, 1 << (n - 1).bit_length())
+
+
+def paged_causal_mask(
+    physical_to_logical: torch.Tensor, context_lens: torch.Tensor, block_size: int, group: int
+):
+    """The mask_mod: key slot `kv_idx` of the pool is visible to query row `q_idx` of sequence
+    `b` (query token q_idx // group) when its block belongs to `b` and its position is not
+    after the query's."""
+    num_slots = physical_to_logical.shape[1] * block_size
+    slots = torch.arange(num_slots, device=physical_to_logical.device, dtype=torch.int32)
+    # Each slot's block and offset, looked up rather than computed with // and % (PyTorch
+    # 2.13's CPU code generator mishandles those on dynamic tiles).
+    slot_block, slot_offset = slots // block_size, slots % block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        logical_block = physical_to_logical[b, slot_block[kv_idx]]
+        position = logical_block * block_size + slot_offset[kv_idx]
+        return (logical_block >= 0) & (position <= context_lens[b] + q_idx // group)
+
+    return mask_mod
+
+
+@dataclass
+class FlexCall:
+    """One flex_attention call of a step: some sequences, their queries padded to one length."""
+
+    rows: torch.Tensor  # [seqs, longest] flat-batch row of each query (padding repeats row 0)
+    valid: torch.Tensor  # [seqs, longest] which entries are real queries
+    block_mask: BlockMask
+
+
+def build_call(
+    metadata: AttentionMetadata,
+    seqs: list[int],
+    num_pool_blocks: int,
+    block_size: int,
+    group: int,
+) -> FlexCall:
+    """Rows, block mask and mask_mod of the sequences `seqs` (indices into the step's batch).
+
+    Grouped-query attention is folded into the query rows, as chapter 03's decode does: the
+    `group` query heads that share a K/V head become `group` rows of that one head, so the
+    kernel reads each K/V block once for all of them. Row r is query token r // group.
+    """
+    device = metadata.seq_lens.device
+    # Padding sequences have no query and no block: the kernel skips them.
+    padding = bucket(len(seqs)) - len(seqs)
+    query_lens = [metadata.query_lens_list[i] for i in seqs] + [0] * padding
+    seq_lens = [metadata.seq_lens_list[i] for i in seqs] + [0] * padding
+    longest_query = 1 if max(query_lens) == 1 else bucket(max(query_lens), smallest=16)
+    num_rows = longest_query * group
+    query_tile = num_rows if longest_query == 1 else PREFILL_QUERY_TILE
+    num_query_tiles = cdiv(num_rows, query_tile)
+    starts = query_starts(metadata.query_lens_list)
+
+    offsets = torch.arange(longest_query)
+    query_lens_t = torch.tensor(query_lens)
+    valid = offsets[None, :] < query_lens_t[:, None]
+    first_rows = torch.tensor([starts[i] for i in seqs] + [0] * padding)
+    rows = torch.where(valid, first_rows[:, None] + offsets[None, :], 0)
+
+    # Each sequence's block-mask row: its block table (the rest of the pool never appears).
+    num_seqs = len(query_lens)
+    num_blocks = torch.tensor([cdiv(n, block_size) for n in seq_lens])
+    tables = metadata.block_tables[seqs].cpu()
+    tables = torch.cat([tables, tables.new_zeros(padding, tables.shape[1])])
+    width = tables.shape[1]
+    logical = torch.arange(width)[None, :].expand(num_seqs, width)
+    owned = logical < num_blocks[:, None]
+    physical_to_logical = torch.full((num_seqs, num_pool_blocks), -1, dtype=torch.int32)
+    batch_index = torch.arange(num_seqs)[:, None].expand(num_seqs, width)
+    physical_to_logical[batch_index[owned], tables[owned]] = logical[owned].int()
+    kv_indices = torch.zeros((num_seqs, 1, num_query_tiles, num_pool_blocks), dtype=torch.int32)
+    kv_indices[:, 0, :, :width] = tables[:, None, :].int()
+
+    # Query tile t sees the blocks up to the one holding its last query token's position.
+    context_lens = torch.tensor(seq_lens) - query_lens_t
+    tiles = torch.arange(num_query_tiles)[None, :]
+    real_rows = query_lens_t[:, None] * group
+    last_token = (torch.minimum((tiles + 1) * query_tile, real_rows) - 1) // group
+    blocks_seen = (context_lens[:, None] + last_token) // block_size + 1
+    kv_num_blocks = torch.where(tiles * query_tile < real_rows, blocks_seen, 0).int()[:, None]
+
+    mask_mod = paged_causal_mask(
+        physical_to_logical.to(device), context_lens.to(device), block_size, group
+    )
+    # Every listed block goes through the mask_mod ("partial" blocks); the "full" lists, for
+    # blocks that need no mask, stay empty but are passed (PyTorch 2.13's CPU kernel expects
+    # them in some shapes).
+    block_mask = BlockMask.from_kv_blocks(
+        kv_num_blocks.to(device),
+        kv_indices.to(device),
+        torch.zeros_like(kv_num_blocks).to(device),
+        torch.zeros_like(kv_indices).to(device),
+        BLOCK_SIZE=(query_tile, block_size),
+        compute_q_blocks=False,  # only the backward pass reads them
+        mask_mod=mask_mod,
+        seq_lengths=(num_rows, num_pool_blocks * block_size),
+    )
+    return FlexCall(rows=rows.to(device), valid=valid.to(device), block_mask=block_mask)
+
+
+class FlexPagedAttention(PagedAttentionBackend):
+    """The "flex" backend: the torch reference's store, then flex_attention over the pool."""
+
+    name = "flex"
+
+    @classmethod
+    def for_device(cls, device: torch.device) -> type[PagedAttentionBackend]:
+        if flex_compiles(device.type):
+            return cls
+        warnings.warn(
+            "attention_backend='flex': flex_attention does not compile here (see the error "
+            "above); using the 'torch' backend instead",
+            stacklevel=2,
+        )
+        return TorchPagedAttention
+
+    def __init__(self, kv_cache: PagedKVCache, metadata: AttentionMetadata):
+        super().__init__(kv_cache, metadata)
+        self.calls: list[FlexCall] | None = None  # built by the first layer, used by all
+
+    def _build_calls(self, group: int) -> list[FlexCall]:
+        query_lens = self.metadata.query_lens_list
+        decodes = [i for i, n in enumerate(query_lens) if n == 1]
+        prefills = [[i] for i, n in enumerate(query_lens) if n > 1]  # one call each
+        pool = self.kv_cache
+        return [
+            build_call(self.metadata, seqs, pool.num_blocks, pool.block_size, group)
+            for seqs in ([decodes] if decodes else []) + prefills
+        ]
+
+    def __call__(self, layer_index: int, q, k, v) -> torch.Tensor:
+        kv = self.kv_cache.layers[layer_index]
+        write_kv(kv, k, v, self.metadata.slot_mapping)
+        if self.calls is None:
+            self.calls = self._build_calls(group=q.shape[1] // k.shape[1])
+        return flex_paged_attention(q, kv, self.calls)
+
+
+def flex_paged_attention(q: torch.Tensor, kv: torch.Tensor, calls: list[FlexCall]) -> torch.Tensor:
+    """Attention of every new token over its sequence, read from one layer's pool `kv`."""
+    num_kv_heads, head_dim = kv.shape[-2:]
+    group = q.shape[1] // num_kv_heads
+    # The pool as flex's keys and values: [1, kv_heads, slots, head_dim], a view.
+    keys, values = (half.view(1, -1, num_kv_heads, head_dim).transpose(1, 2) for half in kv)
+    out = torch.empty_like(q)
+    flex = compiled_flex_attention()
+    for call in calls:
+        num_seqs, longest = call.rows.shape
+        # [seqs, longest, heads, dim] -> [seqs, kv_heads, longest * group, dim]: row r of a K/V
+        # head is query token r // group, query head r % group of those sharing it.
+        queries = q[call.rows].view(num_seqs, longest, num_kv_heads, group, head_dim)
+        queries = queries.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, -1, head_dim)
+        result = flex(queries, keys, values, block_mask=call.block_mask)
+        result = result.view(num_seqs, num_kv_heads, longest, group, head_dim).permute(
+            0, 2, 1, 3, 4
+        )
+        result = result.reshape(num_seqs, longest, -1, head_dim)
+        out[call.rows[call.valid]] = result[call.valid]
+    return out
+
+
+@functools.cache
+def flex_compiles(device_type: str) -> bool:
+    """Try once per process: does flex_attention compile and run on this device type?"""
+    try:
+        num_blocks, block_size = 2, 4
+        pool = torch.zeros(2, num_blocks, block_size, 1, 16, device=device_type)
+        metadata = AttentionMetadata.build([1], [3], [[1]], [6], device=device_type)
+        call = build_call(metadata, [0], num_blocks, block_size, group=2)
+        flex_paged_attention(torch.randn(1, 2, 16, device=device_type), pool, [call])
+        return True
+    except Exception as error:  # noqa: BLE001 -- any failure means "flex cannot run here"
+        warnings.warn(f"flex_attention does not compile on {device_type}: {error}", stacklevel=2)
+        return False

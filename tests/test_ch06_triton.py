@@ -1,0 +1,201 @@
+"""Chapter 06 checks: the Triton kernels that read the paged pool in place.
+
+Without a GPU the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1), on the
+same random paged steps as chapter 03's reference: decodes with long contexts split in parts,
+mixed prefill chunks that start mid-sequence, block sizes that are not powers of two, grouped
+query heads, float32 and float16. Every output is compared with the definition of attention.
+Then the engine runs end to end on the triton backend and must produce transformers' greedy
+tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_cases import backend_step, paged_batches
+from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+triton = pytest.importorskip("triton")
+tl = triton.language
+
+from minivllm.attention import triton_paged  # noqa: E402
+from minivllm.attention.torch_paged import write_kv  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = st.sampled_from([torch.float32, torch.float16])
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-2}
+
+
+def on_device(step):
+    """The step's pool, metadata and tensors on the test device."""
+    step.cache.layers = [layer.to(DEVICE) for layer in step.cache.layers]
+    metadata = step.metadata
+    for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+        setattr(metadata, name, getattr(metadata, name).to(DEVICE))
+    step.q, step.new_k, step.new_v = (t.to(DEVICE) for t in (step.q, step.new_k, step.new_v))
+    return step
+
+
+def assert_matches_definition(out: torch.Tensor, step, dtype: torch.dtype) -> None:
+    assert out.shape == step.q.shape and out.dtype == step.q.dtype
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(out.double().cpu(), step.expected, atol=tolerance, rtol=tolerance)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=paged_batches(decodes_only=True, max_cached=200, block_sizes=(1, 3, 16, 32)),
+    num_splits=st.integers(1, 4),
+    dtype=DTYPES,
+)
+def test_decode_kernel_equals_attention(batch, num_splits, dtype):
+    """One query per sequence over up to 200 cached tokens, split into 1-4 parts merged by
+    their log-sum-exps."""
+    step = on_device(backend_step(batch, dtype))
+    kv = step.cache.layers[0]
+    write_kv(kv, step.new_k, step.new_v, step.metadata.slot_mapping)
+    out = triton_paged.paged_decode_attention(
+        step.q, kv, step.metadata.block_tables, step.metadata.seq_lens, num_splits
+    )
+    assert_matches_definition(out, step, dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    batch=paged_batches(max_cached=100, max_new=70, max_group=4, block_sizes=(1, 5, 16)),
+    dtype=DTYPES,
+)
+def test_prefill_kernel_equals_attention(batch, dtype):
+    """Mixed decodes and prefill chunks (up to 70 new tokens after up to 100 cached), tiled in
+    (token, head) rows of 64."""
+    step = on_device(backend_step(batch, dtype))
+    kv = step.cache.layers[0]
+    write_kv(kv, step.new_k, step.new_v, step.metadata.slot_mapping)
+    group = step.q.shape[1] // step.new_k.shape[1]
+    tiles = triton_paged.query_tiles(
+        step.metadata.query_lens_list, triton_paged.tokens_per_tile(group)
+    )
+    out = triton_paged.paged_prefill_attention(
+        step.q, kv, step.metadata, torch.tensor(tiles, device=DEVICE)
+    )
+    assert_matches_definition(out, step, dtype)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch=paged_batches(max_cached=80), dtype=DTYPES)
+def test_triton_backend_writes_new_tokens_then_attends(batch, dtype):
+    """The backend as the model calls it: store kernel, then the decode or the prefill kernel."""
+    step = on_device(backend_step(batch, dtype))
+    backend = triton_paged.TritonPagedAttention(step.cache, step.metadata)
+    out = backend(0, step.q, step.new_k, step.new_v)
+    assert_matches_definition(out, step, dtype)
+    # The new tokens' K/V are in the pool, at their slots.
+    kv = step.cache.layers[0]
+    slots = step.metadata.slot_mapping
+    num_kv_heads, head_dim = kv.shape[-2:]
+    torch.testing.assert_close(kv[0].view(-1, num_kv_heads, head_dim)[slots], step.new_k)
+    torch.testing.assert_close(kv[1].view(-1, num_kv_heads, head_dim)[slots], step.new_v)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    num_slots=st.integers(1, 40),
+    data=st.data(),
+    num_kv_heads=st.integers(1, 3),
+    head_dim=st.sampled_from([4, 8, 12]),
+)
+def test_store_kernel_writes_each_row_at_its_slot_and_skips_padding(
+    num_slots, data, num_kv_heads, head_dim
+):
+    """Distinct slots in any order, some tokens marked -1 (padding): those write nothing."""
+    slots = data.draw(st.lists(st.integers(0, num_slots - 1), unique=True, min_size=1))
+    padding = data.draw(st.lists(st.booleans(), min_size=len(slots), max_size=len(slots)))
+    slot_mapping = [-1 if pad else slot for slot, pad in zip(slots, padding)]
+    block_size = 4
+    num_blocks = -(-num_slots // block_size)
+    kv = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, device=DEVICE)
+    k = torch.randn(len(slots), num_kv_heads, head_dim, device=DEVICE)
+    v = torch.randn(len(slots), num_kv_heads, head_dim, device=DEVICE)
+    expected = kv.clone()
+    real = [i for i, slot in enumerate(slot_mapping) if slot >= 0]
+    if real:
+        write_kv(
+            expected, k[real], v[real], torch.tensor([slot_mapping[i] for i in real], device=DEVICE)
+        )
+    triton_paged.store_kv(kv, k, v, torch.tensor(slot_mapping, device=DEVICE))
+    assert torch.equal(kv, expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's refusal")
+def test_triton_backend_without_gpu_or_interpreter_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="attention_backend='triton' needs a CUDA device"):
+        triton_paged.TritonPagedAttention.for_device(torch.device("cpu"))
+
+
+def test_engine_on_the_triton_backend_gives_transformers_greedy_tokens(
+    tiny_model_dirs, tiny_greedy, tokenizer
+):
+    """Prompts of different lengths through chunked prefill (budget 24 tokens), a shared prefix
+    (prefix-cache hits start a chunk mid-sequence) and decodes: the tokens of model.generate."""
+    from minivllm import LLM, SamplingParams
+
+    shared = tokenizer.encode("The history of the printing press begins in")
+    prompts = [
+        shared + tokenizer.encode(" Germany, where"),
+        shared + tokenizer.encode(" Asia, long before"),
+        tokenizer.encode("Hi"),
+        tokenizer.encode("A list of prime numbers: 2, 3, 5, 7, 11, 13, 17, 19, 23,"),
+    ]
+    llm = LLM(
+        str(tiny_model_dirs[ENGINE_TEST_FAMILY]),
+        attention_backend="triton",
+        device=DEVICE,
+        block_size=8,
+        max_num_batched_tokens=24,
+        kv_cache_memory_bytes=1 << 20,
+    )
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == tiny_greedy(prompt, 12)
+    assert_pool_is_empty(llm.llm_engine)
+
+
+# --- the learning check: the store kernel -------------------------------------------------
+
+
+@triton.jit
+def _store_kernel_one_head_apart(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, kv_heads, head_dim,
+    HEAD_DIM_PAD: tl.constexpr,
+):  # fmt: skip
+    """The typical mistake: slots taken to be head_dim apart, forgetting the K/V heads."""
+    token, head = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slot_mapping_ptr + token)
+    if slot >= 0:
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        inside = dims < head_dim
+        source = (token * kv_heads + head) * head_dim + dims
+        target = (slot + head) * head_dim + dims
+        tl.store(k_cache_ptr + target, tl.load(k_ptr + source, mask=inside), mask=inside)
+        tl.store(v_cache_ptr + target, tl.load(v_ptr + source, mask=inside), mask=inside)
+
+
+def _store_kv_one_head_apart(kv, k, v, slot_mapping):
+    num_tokens, kv_heads, head_dim = k.shape
+    _store_kernel_one_head_apart[(num_tokens, kv_heads)](
+        k.contiguous(), v.contiguous(), kv[0], kv[1], slot_mapping, kv_heads, head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+    )  # fmt: skip
+
+
+def test_store_check_passes_on_minivllm_and_fails_on_a_typical_mistake():
+    from minivllm.learning_checks import all_checks, assert_check, run_check
+
+    assert_check("ch06.store_kv", all_checks()["ch06.store_kv"].reference())
+    result = run_check("ch06.store_kv", _store_kv_one_head_apart)
+    assert not result.passed
+    assert "should hold" in result.report and "slot_mapping=" in result.report
