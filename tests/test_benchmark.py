@@ -155,6 +155,20 @@ def test_dtypes_run_side_by_side_in_one_benchmark(tiny_model_dirs):
         assert 0.0 < r.mfu < 1.0
 
 
+def test_engines_with_different_attention_backends_run_side_by_side(tiny_model_dirs):
+    """ "engine:flex" builds its own engine on the flex backend next to the default one; both
+    give the same greedy tokens."""
+    ctx = BenchmarkContext.load(tiny_model_dirs["mistral"])
+    workload = Workload("tiny", [[5, 6, 7, 8], [9] * 13], [4, 6], "two requests")
+    default, flex = run_benchmark(
+        ctx, workload, ["engine-no-prefix-cache", "engine-no-prefix-cache:flex"], False
+    )
+    assert flex.same_tokens_as_first == 1.0 and flex.label == default.label + " [flex]"
+    backends = {key: llm.llm_engine.executor.driver_worker.attention_backend.name
+                for key, llm in ctx.engines.items()}  # fmt: skip
+    assert backends == {"engine-no-prefix-cache": "torch", "engine-no-prefix-cache:flex": "flex"}
+
+
 def test_transformers_generate_batch_gives_the_tokens_of_generate(tiny_model_dirs):
     """The "hf-cb" method, transformers' continuous batching with a KV cache sized for the workload,
     produces the greedy tokens of transformers' `generate` run one request at a time."""

@@ -46,7 +46,9 @@ class BenchmarkContext:
     batch_size: int = 16  # rows per static batch
     hf_cb_max_batch_tokens: int | None = None  # generate_batch's budget (None: its default)
     engine_args: dict = field(default_factory=dict)  # extra LLM(...) arguments for engines
-    engines: dict = field(default_factory=dict, repr=False)  # method name -> its LLM
+    attention_backend: str = "auto"  # the engines' attention kernel (chapter 06)
+    # method name (with ":backend" unless the backend is "auto") -> its LLM
+    engines: dict = field(default_factory=dict, repr=False)
     _hf_model: object = field(default=None, repr=False)
     _other_dtypes: dict = field(default_factory=dict, repr=False)  # dtype -> sibling context
 
@@ -262,10 +264,14 @@ def _run_static_batches(
 def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method:
     """Our engine, built once per method (untimed) with `engine_args` on top of the context's."""
 
+    def engine_key(ctx: BenchmarkContext) -> str:
+        return name if ctx.attention_backend == "auto" else f"{name}:{ctx.attention_backend}"
+
     def setup(ctx: BenchmarkContext, workload: Workload) -> None:
         from minivllm.entrypoints.llm import LLM
 
-        args = ctx.engine_args | engine_args
+        key = engine_key(ctx)
+        args = ctx.engine_args | engine_args | {"attention_backend": ctx.attention_backend}
         if ctx.device.type == "cuda" and "kv_cache_memory_bytes" not in args:
             # Left to itself, an engine on CUDA takes gpu_memory_utilization (90%) of the GPU,
             # minus what this process already holds: the next method's engine (each LLM loads
@@ -274,19 +280,19 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
             block_size = args.get("block_size", EngineConfig.block_size)
             budget = workload_kv_cache_bytes(workload, ctx.model.config, ctx.dtype, block_size)
             args["kv_cache_memory_bytes"] = budget
-            built = ctx.engines.get(name)
+            built = ctx.engines.get(key)
             if built is not None and built.llm_engine.config.kv_cache_memory_bytes < budget:
-                del ctx.engines[name]  # built for a smaller workload: build it again
-        if name not in ctx.engines:
-            ctx.engines[name] = LLM(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, **args)
+                del ctx.engines[key]  # built for a smaller workload: build it again
+        if key not in ctx.engines:
+            ctx.engines[key] = LLM(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, **args)
         warm_up = [{"prompt_token_ids": [1, 2, 3, 4]}]  # shares no block with the workload
-        ctx.engines[name].generate(warm_up, SamplingParams(max_tokens=2), use_tqdm=False)
+        ctx.engines[key].generate(warm_up, SamplingParams(max_tokens=2), use_tqdm=False)
         # Every run starts cold: an engine reused for a second workload would otherwise find
         # the first one's prompts in its prefix cache.
-        ctx.engines[name].reset_prefix_cache()
+        ctx.engines[key].reset_prefix_cache()
 
     def run(ctx: BenchmarkContext, workload: Workload) -> MethodOutput:
-        llm = ctx.engines[name]
+        llm = ctx.engines[engine_key(ctx)]
         params = _greedy_params(workload)
         outputs = []
         for wave in workload.waves():
@@ -372,7 +378,8 @@ def run_benchmark(
     """Run each method on the workload, in order, and time it.
 
     A batched method can be given a batch size after a colon ("hf-static:64"); for "hf-cb"
-    the number is generate_batch's token budget per step. A dtype after an "@" runs the
+    the number is generate_batch's token budget per step; for an engine, the setting names its
+    attention backend ("engine:flex", chapter 06). A dtype after an "@" runs the
     method with the model in that dtype ("engine@bfloat16"), so that dtypes compare side by
     side in one run. With `measure_peak`, each dtype's matmul peak is measured once, for the
     model-FLOPs utilisation column.
@@ -388,6 +395,8 @@ def run_benchmark(
         if setting:
             if method.name == "hf-cb":
                 run_ctx.hf_cb_max_batch_tokens = int(setting)
+            elif method.name.startswith("engine"):
+                run_ctx = replace(run_ctx, attention_backend=setting)
             else:
                 run_ctx.batch_size = int(setting)
         label = method.label + (f" [{setting}]" if setting else "")
