@@ -65,6 +65,7 @@ def test_engine_on_flex_gives_transformers_greedy_tokens(
     prompts = [chat_prompt_ids(tokenizer, message) for message in CHAT_MESSAGES]
     llm = LLM(
         attention_backend="flex",
+        max_num_seqs=4,  # few shapes to compile: decodes of 1, 2, 4; chunks of 16 to 64 tokens
         max_num_batched_tokens=64,
         kv_cache_memory_bytes=16 * 2**20,
     )

@@ -136,6 +136,14 @@ class PagedAttentionBackend(ABC):
         it falls back to, or a ValueError saying why it cannot run there."""
         return cls
 
+    @classmethod
+    def warm_up(
+        cls, kv_cache: PagedKVCache, num_heads: int, max_num_seqs: int, max_num_tokens: int
+    ) -> None:
+        """Prepare before serving (compile kernels for every shape a step can take), so that
+        no request waits for it. The reference needs nothing."""
+        return None
+
     @abstractmethod
     def __call__(
         self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

@@ -26,6 +26,8 @@ the compiled kernel.
 from __future__ import annotations
 
 import functools
+import logging
+import time
 import warnings
 from dataclasses import dataclass
 
@@ -40,6 +42,8 @@ from minivllm.attention.backend import (
 )
 from minivllm.attention.torch_paged import TorchPagedAttention, write_kv
 from minivllm.utils import cdiv
+
+logger = logging.getLogger(__name__)
 
 # Query rows per block-mask tile of a prefill chunk: the causal rule skips whole key blocks
 # per tile, so smaller tiles skip more; larger tiles cost less bookkeeping.
@@ -61,6 +65,14 @@ def compiled_flex_attention():
 def bucket(n: int, smallest: int = 1) -> int:
     """n rounded up to a power of two, at least `smallest`: the padded size of a shape."""
     return max(smallest, 1 << (n - 1).bit_length())
+
+
+def _powers_of_two_up_to(n: int, smallest: int = 1) -> list[int]:
+    """smallest, 2 * smallest, ... up to the bucket of n: every bucket sizes up to n reach."""
+    sizes = [smallest]
+    while sizes[-1] < bucket(n, smallest):
+        sizes.append(sizes[-1] * 2)
+    return sizes
 
 
 def paged_causal_mask(
@@ -178,6 +190,39 @@ class FlexPagedAttention(PagedAttentionBackend):
             stacklevel=2,
         )
         return TorchPagedAttention
+
+    @classmethod
+    def warm_up(
+        cls, kv_cache: PagedKVCache, num_heads: int, max_num_seqs: int, max_num_tokens: int
+    ) -> None:
+        """Compile the kernel for every bucket a step can use: decode batches of 1, 2, 4, ...
+        up to max_num_seqs sequences, prefill chunks of 16, 32, ... up to max_num_tokens."""
+        start = time.perf_counter()
+        layer = kv_cache.layers[0]
+        num_kv_heads, head_dim, block_size = layer.shape[3], layer.shape[4], kv_cache.block_size
+        capacity = kv_cache.num_blocks * block_size
+        shapes = [(n, 1) for n in _powers_of_two_up_to(max_num_seqs)]
+        shapes += [(1, n) for n in _powers_of_two_up_to(min(max_num_tokens, capacity), 16)]
+        for num_seqs, query_len in shapes:
+            table = [0] * cdiv(query_len, block_size)  # any blocks will do: only shapes matter
+            metadata = AttentionMetadata.build(
+                [query_len] * num_seqs,
+                [query_len] * num_seqs,
+                [table] * num_seqs,
+                [0] * (query_len * num_seqs),
+                device=layer.device,
+            )
+            group = num_heads // num_kv_heads
+            call = build_call(
+                metadata, list(range(num_seqs)), kv_cache.num_blocks, block_size, group
+            )
+            q = torch.zeros(
+                query_len * num_seqs, num_heads, head_dim, dtype=layer.dtype, device=layer.device
+            )
+            flex_paged_attention(q, layer, [call])
+        logger.info(
+            "flex_attention: %d shapes ready in %.1f s", len(shapes), time.perf_counter() - start
+        )
 
     def __init__(self, kv_cache: PagedKVCache, metadata: AttentionMetadata):
         super().__init__(kv_cache, metadata)

@@ -80,6 +80,10 @@ class Worker:
         )
         sampler = Sampler(default_generator=make_generator(self.config.seed, self.device))
         self.model_runner = ModelRunner(self.model, kv_cache, self.attention_backend, sampler)
+        max_num_tokens = min(self.config.max_num_batched_tokens, self.model.config.max_model_len)
+        self.attention_backend.warm_up(
+            kv_cache, self.model.config.num_heads, self.config.max_num_seqs, max_num_tokens
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
