@@ -25,6 +25,9 @@ chapters' modules). Per chapter:
     05 prefix-cache      the engine with and without prefix caching on requests that share a
                          long system prompt: time to first token, throughput, prompt tokens
                          computed
+    06 attention-kernels the attention backends (torch reference, flex, Triton) on decode steps
+                         over batch x context and on a prefill chunk; the Triton decode
+                         kernel's memory bandwidth; the engine on each backend
 
 Each chapter writes two files under OUT/<device>/ (OUT is figures/gpu by default, <device> the
 GPU's name as a slug): NN-name.json and NN-name.png, e.g. figures/gpu/nvidia-h200/04-throughput.
@@ -58,10 +61,18 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from minivllm.attention import triton_paged
 from minivllm.attention.backend import AttentionMetadata, PagedKVCache
 from minivllm.attention.torch_paged import TorchPagedAttention
 from minivllm.baselines.kv_cache import ContiguousKVCache, generate_static_batch
 from minivllm.baselines.naive import CausalAttention
+from minivllm.bench.attention import (
+    attention_step_seconds,
+    one_layer_pool,
+    random_decode_step,
+    random_step,
+    sweep_decode_attention,
+)
 from minivllm.bench.benchmark import (
     BenchmarkContext,
     MethodResult,
@@ -120,6 +131,9 @@ class Sizes:
     # ch05: the engines' token budget per step. Requests admitted in the same step cannot hit
     # each other's blocks (they are cached once computed), so the budget must not admit them all.
     prefix_step_tokens: int
+    kernel_batches: tuple[int, ...]  # ch06: decode batches of the attention-backend grid
+    kernel_contexts: tuple[int, ...]  # ch06: context lengths of that grid, tokens
+    prefill_chunk: int  # ch06: new tokens of the timed prefill chunk (after as many cached)
     repeats: int  # timed repetitions of a micro-benchmark; the fastest counts
 
 
@@ -145,6 +159,9 @@ GPU_SIZES = Sizes(
     system_prompt_length=1000,
     prefix_output=16,
     prefix_step_tokens=2048,  # the engine's default: one or two of the ~1030-token prompts
+    kernel_batches=(1, 16, 64),
+    kernel_contexts=(512, 2048, 4096),
+    prefill_chunk=2048,
     repeats=5,
 )
 
@@ -168,6 +185,9 @@ QUICK_SIZES = Sizes(
     system_prompt_length=200,
     prefix_output=4,
     prefix_step_tokens=128,
+    kernel_batches=(1, 2),
+    kernel_contexts=(32, 64),
+    prefill_chunk=32,
     repeats=2,
 )
 
@@ -688,6 +708,113 @@ def measure_prefix_cache(run: Run) -> Chapter:
     )
 
 
+# --- chapter 06: attention kernels ------------------------------------------------------------
+
+
+def measure_attention_kernels(run: Run) -> Chapter:
+    """The attention backends side by side: decode attention per step over batch x context, one
+    prefill chunk after as many cached tokens, the Triton decode kernel's memory bandwidth
+    against a device-to-device copy's, and the engine on each backend.
+
+    JSON: results (the engine on each backend, varied-output workload: methods
+    "engine-no-prefix-cache:NAME"); backends; decode_attention (a list of {batch, context, ms:
+    {backend: ms of one step's attention, all layers}}); prefill_attention {chunk, cached, ms:
+    {backend: ms}}; triton_decode_bandwidth ({batch, context, gb_per_s, copy_gb_per_s,
+    share_of_copy} on CUDA, null elsewhere: the interpreter's speed means nothing).
+    """
+    sizes, config = run.sizes, run.model.config
+    on_gpu = run.device.type == "cuda"
+    backends = ["torch", "flex"] + (["triton"] if on_gpu or triton_paged.interpreting() else [])
+    seconds = sweep_decode_attention(
+        config, backends, list(sizes.kernel_batches), list(sizes.kernel_contexts), DTYPE,
+        run.device, sizes.repeats,
+    )  # fmt: skip
+    decode_rows = [
+        dict(batch=b, context=c, ms={name: seconds[name][b, c] * 1e3 for name in backends})
+        for b in sizes.kernel_batches
+        for c in sizes.kernel_contexts
+    ]
+    chunk = sizes.prefill_chunk
+    pool = one_layer_pool(config, 2 * chunk, 16, DTYPE, run.device)
+    prefill = random_step(config, pool, [chunk], [2 * chunk])
+    prefill_ms = {
+        name: attention_step_seconds(name, pool, prefill, config.num_layers, sizes.repeats) * 1e3
+        for name in backends
+    }
+    bandwidth = decode_bandwidth(run) if on_gpu else None
+
+    workload = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    methods = [f"engine-no-prefix-cache:{name}" for name in backends]
+    # A quick run keeps flex's shapes (compiled when an engine starts) few.
+    limits = dict(max_num_seqs=sizes.seats, max_num_batched_tokens=64) if run.quick else {}
+    results = run.benchmark(run.context(engine_args=limits), workload, methods)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5), layout="constrained")
+    for name in backends:
+        for b in sizes.kernel_batches:
+            left.plot(
+                sizes.kernel_contexts,
+                [seconds[name][b, c] * 1e3 for c in sizes.kernel_contexts],
+                "o-",
+                label=f"{name}, batch {b}",
+            )
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("context per sequence (tokens)")
+    left.set_ylabel(f"attention per decode step, {config.num_layers} layers (ms)")
+    left.legend(fontsize=7, ncol=len(backends))
+    left.grid(alpha=0.3)
+    plot_throughput(results, "the engine on each backend", ax=right, baseline=methods[0])
+    fig.suptitle(run.title("Attention backends", workload), fontsize=10)
+    return Chapter(
+        "06-attention-kernels",
+        workload,
+        fig,
+        results,
+        dict(
+            backends=backends,
+            decode_attention=decode_rows,
+            prefill_attention=dict(chunk=chunk, cached=chunk, ms=prefill_ms),
+            triton_decode_bandwidth=bandwidth,
+        ),
+    )
+
+
+@torch.inference_mode()
+def decode_bandwidth(run: Run) -> dict:
+    """The Triton decode kernel alone at the grid's largest batch and context: K/V bytes read per
+    second, against a device-to-device copy of as many bytes (read once, written once)."""
+    sizes, config = run.sizes, run.model.config
+    batch, context = max(sizes.kernel_batches), max(sizes.kernel_contexts)
+    pool = one_layer_pool(config, batch * context, 16, DTYPE, run.device)
+    step = random_decode_step(config, pool, batch, context)
+    kv = pool.layers[0]
+    metadata = step.metadata
+    splits = triton_paged.choose_num_splits(batch, config.num_kv_heads, context, run.device)
+    kernel_s = best_time(
+        lambda: triton_paged.paged_decode_attention(
+            step.q, kv, metadata.block_tables, metadata.seq_lens, splits
+        ),
+        run.device,
+        sizes.repeats,
+    )
+    bytes_read = 2 * batch * context * config.num_kv_heads * config.head_dim * kv.element_size()
+    source = torch.empty(bytes_read, dtype=torch.uint8, device=run.device)
+    target = torch.empty_like(source)
+    copy_s = best_time(lambda: target.copy_(source), run.device, sizes.repeats)
+    gb_per_s, copy_gb_per_s = bytes_read / kernel_s / 1e9, 2 * bytes_read / copy_s / 1e9
+    return dict(
+        batch=batch,
+        context=context,
+        num_splits=splits,
+        gb_per_s=gb_per_s,
+        copy_gb_per_s=copy_gb_per_s,
+        share_of_copy=gb_per_s / copy_gb_per_s,
+    )
+
+
 # --- shared by the chapters --------------------------------------------------------------------
 
 
@@ -698,6 +825,7 @@ CHAPTERS = (
     measure_memory_waste,
     measure_throughput,
     measure_prefix_cache,
+    measure_attention_kernels,
 )
 
 

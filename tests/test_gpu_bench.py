@@ -21,6 +21,7 @@ STEMS = [
     "03-memory-waste",
     "04-throughput",
     "05-prefix-cache",
+    "06-attention-kernels",
 ]
 
 
@@ -122,6 +123,19 @@ def test_prefix_cache_computes_fewer_prompt_tokens(records):
     }
     assert 0 < prefix["prefix_cache_hit_rate"] <= 1
     assert prefix["ttft_ratio"] > 0 and prefix["throughput_ratio"] > 0
+
+
+def test_attention_backends_run_side_by_side_with_the_same_tokens(records):
+    kernels = records["06-attention-kernels"]
+    backends = kernels["backends"]
+    assert backends[:2] == ["torch", "flex"]  # and "triton" where it runs (GPU, interpreter)
+    methods = by_method(kernels)
+    assert list(methods) == [f"engine-no-prefix-cache:{name}" for name in backends]
+    assert all(result["same_tokens_as_first"] == 1.0 for result in methods.values())
+    assert all(set(row["ms"]) == set(backends) for row in kernels["decode_attention"])
+    assert all(ms > 0 for row in kernels["decode_attention"] for ms in row["ms"].values())
+    assert set(kernels["prefill_attention"]["ms"]) == set(backends)
+    assert (kernels["triton_decode_bandwidth"] is not None) == torch.cuda.is_available()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
