@@ -735,7 +735,7 @@ def measure_attention_kernels(run: Run) -> Chapter:
         for c in sizes.kernel_contexts
     ]
     chunk = sizes.prefill_chunk
-    pool = one_layer_pool(config, 2 * chunk, 16, DTYPE, run.device)
+    pool = one_layer_pool(config, 1, 2 * chunk, 16, DTYPE, run.device)
     prefill = random_step(config, pool, [chunk], [2 * chunk])
     prefill_ms = {
         name: attention_step_seconds(name, pool, prefill, config.num_layers, sizes.repeats) * 1e3
@@ -788,7 +788,7 @@ def decode_bandwidth(run: Run) -> dict:
     second, against a device-to-device copy of as many bytes (read once, written once)."""
     sizes, config = run.sizes, run.model.config
     batch, context = max(sizes.kernel_batches), max(sizes.kernel_contexts)
-    pool = one_layer_pool(config, batch * context, 16, DTYPE, run.device)
+    pool = one_layer_pool(config, batch, context, 16, DTYPE, run.device)
     step = random_decode_step(config, pool, batch, context)
     kv = pool.layers[0]
     metadata = step.metadata

@@ -18,9 +18,7 @@ ROOT = Path(__file__).parent.parent
 DECIMAL = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)\.(\d+)(?!\d)")
 # Chapters whose measurement section still quotes runs older than the code it describes; their
 # notebooks' next full run rewrites them. strict: the mark must go once the chapter passes.
-STALE = {
-    "04-continuous-batching": "quotes runs from before appendix A's changes and an MKL baseline",
-}
+STALE: dict[str, str] = {}
 
 
 def decimals(text: str) -> list[tuple[float, int]]:

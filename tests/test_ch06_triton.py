@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from minivllm.attention import triton_paged  # noqa: E402
-from minivllm.attention.torch_paged import write_kv  # noqa: E402
+from minivllm.attention.torch_paged import TorchPagedAttention, write_kv  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = st.sampled_from([torch.float32, torch.float16])
@@ -199,3 +199,23 @@ def test_store_check_passes_on_minivllm_and_fails_on_a_typical_mistake():
     result = run_check("ch06.store_kv", _store_kv_one_head_apart)
     assert not result.passed
     assert "should hold" in result.report and "slot_mapping=" in result.report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_kernels_compiled_for_the_gpu_at_serving_sizes():
+    """On a GPU the kernels compile (no interpreter) and run at serving sizes: 64 sequences of
+    2,048 tokens with the splits `choose_num_splits` picks, and a 2,048-token prefill chunk
+    after as many cached tokens, in bfloat16, against the reference."""
+    from minivllm.bench.attention import one_layer_pool, random_decode_step, random_step
+    from minivllm.models.loader import embedded_model_dir, load_model
+
+    config = load_model(embedded_model_dir(), torch.float32, "cpu").config
+    pool = one_layer_pool(config, 64, 2048, 16, torch.bfloat16, "cuda")
+    for step in (
+        random_decode_step(config, pool, 64, 2048),
+        random_step(config, pool, [2048], [4096]),
+    ):
+        reference = TorchPagedAttention(pool, step.metadata)(0, step.q, step.k, step.v)
+        out = triton_paged.TritonPagedAttention(pool, step.metadata)(0, step.q, step.k, step.v)
+        torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)

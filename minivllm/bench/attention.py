@@ -38,15 +38,17 @@ class AttentionStep:
 
 def one_layer_pool(
     config: ModelConfig,
-    max_tokens: int,
+    num_seqs: int,
+    max_context: int,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> PagedKVCache:
-    """A one-layer pool of the model's shapes with room for `max_tokens` tokens, filled with
-    random K/V (attention over zeros would be a special case)."""
+    """A one-layer pool of the model's shapes with room for `num_seqs` sequences of up to
+    `max_context` tokens, filled with random K/V (attention over zeros would be a special case)."""
     one_layer = replace(config, num_layers=1)
-    pool = PagedKVCache(one_layer, cdiv(max_tokens, block_size), block_size, dtype, device)
+    num_blocks = num_seqs * cdiv(max_context, block_size)
+    pool = PagedKVCache(one_layer, num_blocks, block_size, dtype, device)
     pool.layers[0].normal_()
     return pool
 
@@ -122,7 +124,7 @@ def sweep_decode_attention(
     block_size: int = 16,
 ) -> dict[str, dict[tuple[int, int], float]]:
     """backend -> (batch, context) -> seconds of one decode step's attention, all layers."""
-    pool = one_layer_pool(config, max(batches) * max(contexts), block_size, dtype, device)
+    pool = one_layer_pool(config, max(batches), max(contexts), block_size, dtype, device)
     seconds: dict[str, dict[tuple[int, int], float]] = {name: {} for name in backends}
     for num_seqs in batches:
         for context_len in contexts:

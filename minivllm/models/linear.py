@@ -1,20 +1,20 @@
 """Appendix A — matrix products on the CPU go through oneDNN, on packed weights.
 
-The step profile of appendix A puts two thirds of a CPU decode step inside `aten::mm`. The
-question every profile raises next: is that product as fast as the chip allows? Measuring
-says no, twice over.
+The step profile of appendix A puts half of a CPU decode step inside the model's matrix
+products. The question every profile raises next: is that product as fast as the chip allows?
+The answer depends on the chip, and measuring it found two things.
 
 1. The library. PyTorch hands float32 products to its BLAS library (Intel MKL in the standard
-   x86 builds). On the AMD EPYC (Zen 5) this book measures on, MKL multiplies two 2048 x 2048
-   float32 matrices at about 220 GFLOP/s; oneDNN, the deep-learning library PyTorch also ships
-   (and already uses for bfloat16), reaches about 500 GFLOP/s on the same product. For the
-   skinny products of a decode step the gap is as large: 64 tokens through `gate_up_proj`
-   (576 -> 3072 features) run at 204 against 450 GFLOP/s (figure A-matmul-libraries).
+   x86 builds). On the AMD EPYC (Zen 5) where the engine was first tuned, MKL multiplied two
+   2048 x 2048 float32 matrices at about 220 GFLOP/s and oneDNN, the deep-learning library
+   PyTorch also ships (and already uses for bfloat16), at about 500, with as large a gap on
+   the skinny products of a decode step. On an Intel Xeon the two are close on large products
+   (MKL a little ahead) and differ at decode sizes (figure A-matmul-libraries).
 2. The weight layout. A matrix-multiply kernel reads the weight in tiles of its own blocked
    layout; given a plain row-major matrix, oneDNN rearranges it on every call, a full pass
    over the weights each step. `pack_weight` does that rearrangement once, at load time, as
-   vLLM's CPU backend does: 1.6x for the products of an 8-token decode step, 1.1x at 64 tokens,
-   1.4x for bfloat16 at 64 tokens.
+   vLLM's CPU backend does. On the Intel Xeon, packed oneDNN is 1.4-1.6x MKL for the products
+   of an 8- to 16-token decode step, and within a few percent of it from 64 tokens up.
 
 So every linear layer of our model calls oneDNN's inner-product operator directly, on a packed
 copy of its weight, for float32 and bfloat16 CPU tensors. Both libraries compute in IEEE
