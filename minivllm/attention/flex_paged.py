@@ -75,6 +75,17 @@ def _powers_of_two_up_to(n: int, smallest: int = 1) -> list[int]:
     return sizes
 
 
+@functools.cache
+def slot_blocks_and_offsets(
+    num_slots: int, block_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pool slot's block and offset, made once per pool rather than once per step. The
+    mask_mod looks them up rather than computing // and % (PyTorch 2.13's CPU code generator
+    mishandles those on dynamic tiles)."""
+    slots = torch.arange(num_slots, device=device, dtype=torch.int32)
+    return slots // block_size, slots % block_size
+
+
 def paged_causal_mask(
     physical_to_logical: torch.Tensor, context_lens: torch.Tensor, block_size: int, group: int
 ):
@@ -82,10 +93,9 @@ def paged_causal_mask(
     `b` (query token q_idx // group) when its block belongs to `b` and its position is not
     after the query's."""
     num_slots = physical_to_logical.shape[1] * block_size
-    slots = torch.arange(num_slots, device=physical_to_logical.device, dtype=torch.int32)
-    # Each slot's block and offset, looked up rather than computed with // and % (PyTorch
-    # 2.13's CPU code generator mishandles those on dynamic tiles).
-    slot_block, slot_offset = slots // block_size, slots % block_size
+    slot_block, slot_offset = slot_blocks_and_offsets(
+        num_slots, block_size, physical_to_logical.device
+    )
 
     def mask_mod(b, h, q_idx, kv_idx):
         logical_block = physical_to_logical[b, slot_block[kv_idx]]

@@ -103,13 +103,16 @@ def _ordinal(n: int) -> str:
 # --- top-k ---
 
 
+def _on_one_row(apply_filter):
+    """A batched filter of `sample/sampler.py` (rows of logits, one parameter per row) as the
+    exercises' signature: one row of logits, one parameter."""
+    return lambda logits, value: apply_filter(logits.unsqueeze(0), torch.tensor([value]))[0]
+
+
 def _our_top_k():
     from minivllm.sample.sampler import apply_top_k
 
-    def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-        return apply_top_k(logits.unsqueeze(0), torch.tensor([k]))[0]
-
-    return top_k
+    return _on_one_row(apply_top_k)
 
 
 @learning_check(
@@ -157,10 +160,7 @@ def check_top_k(top_k) -> None:
 def _our_top_p():
     from minivllm.sample.sampler import apply_top_p
 
-    def top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
-        return apply_top_p(logits.unsqueeze(0), torch.tensor([p]))[0]
-
-    return top_p
+    return _on_one_row(apply_top_p)
 
 
 @learning_check(
@@ -230,10 +230,7 @@ def check_top_p(top_p) -> None:
 def _our_min_p():
     from minivllm.sample.sampler import apply_min_p
 
-    def min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-        return apply_min_p(logits.unsqueeze(0), torch.tensor([min_p]))[0]
-
-    return min_p
+    return _on_one_row(apply_min_p)
 
 
 @learning_check(
