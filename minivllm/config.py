@@ -9,7 +9,7 @@ for early Mistral), which appear here as plain fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -65,6 +65,32 @@ class ModelConfig:
         """Bytes of K and V one token occupies across all layers (chapter 02's memory math)."""
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+    def check_tensor_parallel_size(self, size: int) -> None:
+        """vLLM's rule for splitting attention over `size` ranks: the query heads divide by it,
+        and the KV heads either divide by it (each rank holds its own) or divide it (each KV
+        head is copied onto size / num_kv_heads ranks). The MLP's width must divide too."""
+        problems = []
+        if self.num_heads % size:
+            problems.append(f"{self.num_heads} query heads do not divide by it")
+        if self.num_kv_heads % size and size % self.num_kv_heads:
+            problems.append(f"{self.num_kv_heads} KV heads neither divide by it nor divide it")
+        if self.intermediate_size % size:
+            problems.append(f"the MLP width {self.intermediate_size} does not divide by it")
+        if problems:
+            raise ValueError(
+                f"tensor_parallel_size={size} does not fit this model: {'; '.join(problems)}"
+            )
+
+    def per_rank(self, tensor_parallel_size: int) -> ModelConfig:
+        """The shapes one rank of a `tensor_parallel_size`-way split holds: its share of the
+        query heads and of the KV heads (at least one: KV heads are copied when they are
+        fewer than the ranks). Its KV-cache pool is sized from this."""
+        return replace(
+            self,
+            num_heads=self.num_heads // tensor_parallel_size,
+            num_kv_heads=max(1, self.num_kv_heads // tensor_parallel_size),
+        )
 
     @classmethod
     def from_hf_config(cls, hf_config: Any) -> ModelConfig:
@@ -195,9 +221,19 @@ class EngineConfig:
     attention_backend: str = setting(
         "auto", "attention kernel: auto picks the best for the device", ATTENTION_BACKEND_NAMES
     )
+    tensor_parallel_size: int = setting(
+        1, "processes (devices) each layer is split across, one KV-head share each"
+    )
+    data_parallel_size: int = setting(1, "engine replicas, each in its own process(es)")
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in (
+            "block_size",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "tensor_parallel_size",
+            "data_parallel_size",
+        ):
             int_at_least(name, getattr(self, name), 1)
         as_int("seed", self.seed)
         if self.max_model_len is not None:

@@ -236,8 +236,10 @@ def module_name(path: Path) -> str:
 
 # Lower layers never import higher ones: the model knows nothing of caches, attention nothing
 # of scheduling, the worker nothing of requests, and nothing below the entry points knows them.
+# The tensor-parallel group (collectives only) sits under the model that communicates with it.
 LAYERS = [
     ["minivllm.utils", "minivllm.config"],
+    ["minivllm.distributed"],
     [
         "minivllm.sample",
         "minivllm.models",

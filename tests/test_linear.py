@@ -53,12 +53,13 @@ def test_float16_and_other_devices_keep_pytorchs_product():
 @pytest.mark.skipif(not uses_onednn(torch.zeros(1)), reason="this PyTorch build has no oneDNN")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_loaded_model_runs_on_packed_weights_with_the_same_logits(tiny_model_dirs, family):
-    """load_model packs every linear layer (and a tied LM head); dropping the packed copies
-    gives the same logits, to float32 rounding."""
+    """load_model packs every linear layer and the LM head (the embedding when tied); dropping
+    the packed copies gives the same logits, to float32 rounding."""
     model = load_model(tiny_model_dirs[family])
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None for m in linears)
-    assert (model.packed_tied_head is not None) == (model.lm_head is None)
+    assert model.logits_layer.packed_weight is not None
+    assert (model.model.embed_tokens.packed_weight is not None) == (model.lm_head is None)
 
     tokens = torch.arange(1, 12)
     with torch.inference_mode():
@@ -70,6 +71,6 @@ def test_loaded_model_runs_on_packed_weights_with_the_same_logits(tiny_model_dir
         packed = logits()
         for module in linears:
             module.packed_weight = None
-        model.packed_tied_head = None
+        model.logits_layer.packed_weight = None
         plain = logits()
     torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)

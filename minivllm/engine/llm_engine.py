@@ -29,6 +29,7 @@ from minivllm.core.request import Request
 from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.engine.processor import Processor
 from minivllm.executor.base import UniProcExecutor
+from minivllm.executor.multiproc import MultiprocExecutor
 from minivllm.models.loader import load_model_config, load_tokenizer, resolve_model_path
 from minivllm.outputs import RequestOutput
 from minivllm.sample.sampling_params import SamplingParams
@@ -51,7 +52,12 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.model_path)
         self.model_config = load_model_config(self.model_path)
         # The model and its KV pool live in the workers; the engine keeps the requests.
-        self.executor = UniProcExecutor(config, self.model_path)
+        if config.tensor_parallel_size > 1:
+            # Checked here, before any process starts: a split that does not fit the heads.
+            self.model_config.check_tensor_parallel_size(config.tensor_parallel_size)
+            self.executor = MultiprocExecutor(config, self.model_path)
+        else:
+            self.executor = UniProcExecutor(config, self.model_path)
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
         self.kv_cache_manager = KVCacheManager(
@@ -86,6 +92,11 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         return cls(config)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (also done when the engine is garbage-collected
+        and at exit)."""
+        self.executor.shutdown()
 
     # --- requests ---
 

@@ -2,8 +2,8 @@
 
 The engine speaks to one object whatever the hardware: "run this method on every worker and
 give me the results" (`collective_rpc`, vLLM's name). With one device the worker lives in the
-engine's own process (`UniProcExecutor`, below); tensor parallelism needs an executor whose
-workers are other processes, behind the same three calls the engine makes:
+engine's own process (`UniProcExecutor`, below); tensor parallelism (chapter 07,
+`executor/multiproc.py`) has workers in other processes, behind the same three calls:
 
     num_blocks = executor.determine_num_kv_blocks()
     executor.initialize_kv_cache(num_blocks)
@@ -41,6 +41,10 @@ class Executor(ABC):
         """One step on every worker; rank 0 samples, so its output is the step's."""
         return self.collective_rpc("execute_model", (scheduler_output,))[0]
 
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Release the workers and whatever they hold."""
+
 
 class UniProcExecutor(Executor):
     """One worker, in the engine's process: a method call is a plain call."""
@@ -50,3 +54,6 @@ class UniProcExecutor(Executor):
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         return [getattr(self.driver_worker, method)(*args)]
+
+    def shutdown(self) -> None:
+        """Nothing to release: the worker lives and ends with the engine's process."""

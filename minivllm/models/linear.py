@@ -85,6 +85,10 @@ class Linear(nn.Linear):
 
     packed_weight: torch.Tensor | None = None
 
+    def reset_parameters(self) -> None:
+        """No random initialisation: every weight is read from a checkpoint (models/loader.py),
+        so building a model only allocates memory."""
+
     def pack(self) -> None:
         """Make the packed copy; call once the weight is final (loaded, in its dtype)."""
         self.packed_weight = pack_weight(self.weight)

@@ -19,7 +19,11 @@ Parameter names mirror Hugging Face's (`model.layers.0.self_attn.o_proj.weight`,
 exception that is also vLLM's: projections that read the same input are fused into one matrix.
 q, k and v become `qkv_proj`, gate and up become `gate_up_proj`: one large matrix product
 instead of three or two small ones, which keeps the CPU's (or GPU's) arithmetic units busier.
-The loader concatenates the checkpoint's matrices (`loader.fuse_projections`).
+The loader copies each checkpoint matrix into its rows of the fused one (`loader.load_model`).
+
+The linear layers carry vLLM's names for how they split across devices (`QKVParallelLinear`,
+`RowParallelLinear`, ...: chapter 07, `models/parallel_layers.py`). On one device nothing is
+split, and each is an ordinary linear layer.
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.config import ModelConfig
-from minivllm.models.linear import Linear, linear, pack_weight
+from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
+from minivllm.models.linear import Linear
+from minivllm.models.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 class AttentionBackend(Protocol):
@@ -111,20 +123,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query attention: num_heads query heads share num_kv_heads K/V heads."""
+    """Grouped-query attention: num_heads query heads share num_kv_heads K/V heads.
 
-    def __init__(self, config: ModelConfig, layer_index: int):
+    Split over tensor-parallel ranks (chapter 07), each rank holds its share of the heads
+    (`ModelConfig.per_rank`) and attends over them alone; o_proj sums the ranks' parts.
+    """
+
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallelGroup):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        rank_config = config.per_rank(tp.size)
+        self.num_heads = rank_config.num_heads
+        self.num_kv_heads = rank_config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            config.head_dim,
+            config.num_heads,
+            config.num_kv_heads,
+            bias=config.attention_bias,
+            tp=tp,
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.o_proj = RowParallelLinear(
+            config.num_heads * config.head_dim, config.hidden_size, bias=False, tp=tp
+        )
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -153,10 +177,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup):
         super().__init__()
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        width = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [width, width], tp=tp)
+        self.down_proj = RowParallelLinear(width, config.hidden_size, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -166,12 +191,12 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
 
-    def __init__(self, config: ModelConfig, layer_index: int):
+    def __init__(self, config: ModelConfig, layer_index: int, tp: TensorParallelGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
+        self.self_attn = Attention(config, layer_index, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, hidden, cos, sin, attention: AttentionBackend) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
@@ -181,10 +206,10 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, the decoder layers and the final norm: token ids -> hidden states."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -197,18 +222,21 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder plus the LM head that turns a hidden state into one logit per vocabulary entry."""
+    """The decoder plus the LM head that turns a hidden state into one logit per vocabulary entry.
 
-    def __init__(self, config: ModelConfig):
+    `tp` is the tensor-parallel group this copy of the model is one rank of (chapter 07); by
+    default a group of one, and the model is whole.
+    """
+
+    def __init__(self, config: ModelConfig, tp: TensorParallelGroup = SINGLE_PROCESS):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
         # Tied models (SmolLM2, small Qwens) reuse the embedding matrix as the LM head.
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        # The tied head's embedding matrix in oneDNN's layout, once `pack_weights` has run.
-        self.packed_tied_head: torch.Tensor | None = None
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
@@ -216,8 +244,14 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden_size] of a flat batch of tokens."""
         return self.model(input_ids, positions, attention)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] for the hidden states we sample from.
+    @property
+    def logits_layer(self) -> VocabParallelEmbedding:
+        """The matrix that turns hidden states into logits: the LM head, or the embedding."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [n, vocab] for the hidden states we sample from (on rank 0 of a
+        tensor-parallel group; None on the others, which do not sample).
 
         Kept apart from `forward` because only the last token of each sequence needs logits.
         Projecting every prompt token onto a 49k vocabulary would add about a quarter to a
@@ -225,9 +259,7 @@ class LlamaForCausalLM(nn.Module):
         3.5 M) and hold a [tokens, 49152] float tensor, 56 MiB for a 300-token prompt, for the
         one row that is used.
         """
-        if self.lm_head is not None:
-            return self.lm_head(hidden)
-        return linear(hidden, self.model.embed_tokens.weight, packed_weight=self.packed_tied_head)
+        return self.logits_layer.compute_logits(hidden)
 
     def pack_weights(self) -> None:
         """Rearrange every weight matrix once into the layout the CPU product reads
@@ -235,5 +267,4 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None:
-            self.packed_tied_head = pack_weight(self.model.embed_tokens.weight)
+        self.logits_layer.pack()

@@ -18,14 +18,17 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from minivllm.config import ModelConfig
+from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
 from minivllm.models.llama import LlamaForCausalLM, RotaryEmbedding
+from minivllm.models.parallel_layers import default_weight_loader
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_MODEL_ALIASES = (EMBEDDED_MODEL_NAME, "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -129,68 +132,90 @@ def load_model_config(path: Path) -> ModelConfig:
 
 
 def load_model(
-    path: Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tp: TensorParallelGroup = SINGLE_PROCESS,
 ) -> LlamaForCausalLM:
     """Build our model for the directory's config, fill it with the directory's weights and
-    pack them for the CPU's matrix products (`LlamaForCausalLM.pack_weights`)."""
+    pack them for the CPU's matrix products (`LlamaForCausalLM.pack_weights`).
+
+    With tensor parallelism (`tp`, chapter 07) this process builds and fills only its rank's
+    share of every layer.
+    """
     config = load_model_config(path)
-    # On the meta device, parameters have shapes but no storage: building is instant and the
-    # real tensors are assigned from the checkpoint below (no random init thrown away).
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    state = fuse_projections(_read_safetensors(path))
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    state = {name: tensor.to(dtype=dtype, device=device) for name, tensor in state.items()}
-    expected = {name for name, _ in model.named_parameters()}
-    missing, unexpected = expected - state.keys(), state.keys() - expected
+    # Our layers skip random initialisation (`Linear.reset_parameters`): building allocates
+    # uninitialised memory, which the checkpoint's tensors then fill.
+    with torch.device(device):
+        model = LlamaForCausalLM(config, tp).to(dtype)
+    parameters = dict(model.named_parameters())
+    parts_loaded = dict.fromkeys(parameters, 0)
+    unexpected = []
+    for name, tensor in _read_safetensors(path):
+        if config.tie_word_embeddings and name == "lm_head.weight":
+            continue  # tied: the LM head is the embedding
+        target, shard_id = parameter_for_checkpoint_name(name)
+        if target not in parameters:
+            unexpected.append(name)
+            continue
+        parameter = parameters[target]
+        weight_loader = getattr(parameter, "weight_loader", default_weight_loader)
+        try:
+            weight_loader(parameter, tensor, *([] if shard_id is None else [shard_id]))
+        except RuntimeError as error:  # a shape that does not fit
+            raise ValueError(f"weight {name} in {path} does not fit our model: {error}") from error
+        parts_loaded[target] += 1
+    missing = [name for name, count in parts_loaded.items() if count < _num_parts(name)]
     if missing or unexpected:
         raise ValueError(
             f"weights in {path} do not match a {config.model_type} model: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
-    model.load_state_dict(state, assign=True)
-    # Buffers (RoPE frequencies) are computed, not loaded: rebuild them on the real device.
+    # RoPE frequencies are computed, not loaded, and stay float32 whatever the weights' dtype:
+    # rebuild them on the model's device.
     model.model.rotary_emb = RotaryEmbedding(config).to(device)
     model.pack_weights()
     return model.eval()
 
 
-# Checkpoint matrices that our model stores as one fused matrix, stacked in this order.
-FUSED_PROJECTIONS = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-}
+# Checkpoint matrices that our model stores as one fused matrix, and which part of it each
+# is (vLLM's "stacked params mapping"): q, k and v stack into qkv_proj, gate and up into
+# gate_up_proj. Each fused parameter's `weight_loader` puts a part into its rows.
+STACKED_PARAMS = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
 
 
-def fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Concatenate q/k/v (and gate/up) weights and biases of every layer along the output
-    dimension: y = x W^T for the stacked W gives the three outputs side by side."""
-    fused = dict(state)
-    for name in state:
-        for target, parts in FUSED_PROJECTIONS.items():
-            first = f".{parts[0]}."
-            if first not in name:
-                continue
-            names = [name.replace(first, f".{part}.") for part in parts]
-            if all(n in state for n in names):
-                fused[name.replace(first, f".{target}.")] = torch.cat([state[n] for n in names])
-                for n in names:
-                    fused.pop(n)
-    return fused
+def parameter_for_checkpoint_name(name: str) -> tuple[str, str | int | None]:
+    """`model.layers.0.self_attn.k_proj.weight` -> (`...self_attn.qkv_proj.weight`, "k");
+    a name that is not part of a fused matrix maps to itself (shard None)."""
+    for fused, part, shard_id in STACKED_PARAMS:
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard_id
+    return name, None
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    state: dict[str, torch.Tensor] = {}
+def _num_parts(parameter_name: str) -> int:
+    """How many checkpoint tensors fill this parameter (3 for qkv_proj, 2 for gate_up_proj)."""
+    return sum(f".{fused}." in parameter_name for fused, _, _ in STACKED_PARAMS) or 1
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, one at a time (never the whole model in memory)."""
     for file in sorted(path.glob("*.safetensors")):
         try:
-            state.update(load_file(file))
+            with safe_open(file, framework="pt") as checkpoint:
+                for name in checkpoint.keys():
+                    yield name, checkpoint.get_tensor(name)
         except (SafetensorError, OSError) as error:
             raise ValueError(
                 f"could not read weights from {file}: {error}. The file is damaged; re-create "
                 f"it (for the embedded model: delete {cache_dir()} and it is converted again)."
             ) from error
-    return state
 
 
 def load_tokenizer(path: Path):

@@ -61,6 +61,8 @@ class ModelRunner:
         if not batch.sample_req_ids:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[batch.sample_rows])
+        if logits is None:  # a tensor-parallel follower (chapter 07): rank 0 samples
+            return ModelRunnerOutput()
         rows = [self.requests[req_id].sampling_row() for req_id in batch.sample_req_ids]
         sampled = self.sampler(logits, rows)
         return ModelRunnerOutput(

@@ -32,6 +32,7 @@ from minivllm.config import (
     resolve_dtype,
 )
 from minivllm.core.scheduler_output import SchedulerOutput
+from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
 from minivllm.models.loader import load_model
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sample.sampler import Sampler, make_generator
@@ -41,8 +42,14 @@ from minivllm.worker.model_runner import ModelRunner
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, model_path: Path):
+    """One device's share: the whole model, or with tensor parallelism (chapter 07) one rank's
+    shard of every layer, `tp` naming the group and this worker's rank in it."""
+
+    def __init__(
+        self, config: EngineConfig, model_path: Path, tp: TensorParallelGroup = SINGLE_PROCESS
+    ):
         self.config = config
+        self.tp = tp
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cpu":
@@ -50,13 +57,15 @@ class Worker:
         backend_name = resolve_attention_backend_name(config.attention_backend, self.device)
         # Decided before the model takes memory: a backend may refuse the device or fall back.
         self.attention_backend = get_attention_backend(backend_name).for_device(self.device)
-        self.model = load_model(model_path, self.dtype, self.device)
+        self.model = load_model(model_path, self.dtype, self.device, tp)
+        # This rank's KV pool holds its own KV heads only.
+        self.rank_model_config = self.model.config.per_rank(tp.size)
         self.model_runner: ModelRunner | None = None  # built once the pool's size is known
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the KV budget: kv_cache_memory_bytes, or on CUDA what is left of
         gpu_memory_utilization after a profiling forward at the largest batch."""
-        config, model_config = self.config, self.model.config
+        config, model_config = self.config, self.rank_model_config
         budget = config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
@@ -76,13 +85,13 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate the pool and the runner that reads and writes it."""
         kv_cache = PagedKVCache(
-            self.model.config, num_blocks, self.config.block_size, self.dtype, self.device
+            self.rank_model_config, num_blocks, self.config.block_size, self.dtype, self.device
         )
         sampler = Sampler(default_generator=make_generator(self.config.seed, self.device))
         self.model_runner = ModelRunner(self.model, kv_cache, self.attention_backend, sampler)
         max_num_tokens = min(self.config.max_num_batched_tokens, self.model.config.max_model_len)
         self.attention_backend.warm_up(
-            kv_cache, self.model.config.num_heads, self.config.max_num_seqs, max_num_tokens
+            kv_cache, self.rank_model_config.num_heads, self.config.max_num_seqs, max_num_tokens
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -93,7 +102,7 @@ class Worker:
         """Run the largest batch once through the real attention backend (on a pool just big
         enough for it), measure the peak memory, and give the KV cache whatever
         gpu_memory_utilization leaves."""
-        config, model_config = self.config, self.model.config
+        config, model_config = self.config, self.rank_model_config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(config.max_num_batched_tokens, model_config.max_model_len)

@@ -1,0 +1,1 @@
+"""Chapter 07: how ranks of a split model find each other and exchange tensors."""
