@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import parallel_cases
 import pytest
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -151,3 +152,18 @@ def test_tp_size_must_fit_the_heads():
     uneven = ModelConfig("llama", 10, 64, 192, 2, 8, 6, 16, 1e-5, 64, True)
     with pytest.raises(ValueError, match="6 KV heads neither divide"):
         uneven.check_tensor_parallel_size(4)
+
+
+def _row_parallel_with_bias_on_every_rank(x_shard, weight_shard, bias, tp):
+    """Adds the bias before the all-reduce: it is counted once per rank."""
+    out = F.linear(x_shard, weight_shard, bias)
+    return tp.all_reduce(out)
+
+
+def test_row_parallel_check_passes_on_minivllm_and_fails_on_a_typical_mistake():
+    from minivllm.learning_checks import all_checks, assert_check, run_check
+
+    assert_check("ch07.row_parallel_linear", all_checks()["ch07.row_parallel_linear"].reference())
+    result = run_check("ch07.row_parallel_linear", _row_parallel_with_bias_on_every_rank)
+    assert not result.passed
+    assert "expected x @ W.T + bias" in result.report
