@@ -33,15 +33,24 @@ class LLM:
     the other keyword arguments are the engine settings of `EngineConfig` (config.py), with
     vLLM's names: dtype, device, seed, block_size, max_num_seqs, max_num_batched_tokens,
     max_model_len, kv_cache_memory_bytes, gpu_memory_utilization, scheduling_policy,
-    enable_chunked_prefill, enable_prefix_caching, attention_backend. An unknown one raises
-    TypeError.
+    enable_chunked_prefill, enable_prefix_caching, attention_backend, data_parallel_size. An
+    unknown one raises TypeError.
+
+    With data_parallel_size=M > 1 the engine is a `DataParallelEngine` (chapter 07): M engine
+    replicas, each in its own process, behind the same calls (a script then needs the
+    `if __name__ == "__main__":` guard, as replicas start with multiprocessing's "spawn").
     """
 
     def __init__(self, model: str | os.PathLike | None = None, **engine_settings: Any):
         config = EngineConfig.from_kwargs(
             model=None if model is None else str(model), **engine_settings
         )
-        self.llm_engine = LLMEngine.from_config(config)
+        if config.data_parallel_size > 1:
+            from minivllm.engine.data_parallel import DataParallelEngine
+
+            self.llm_engine = DataParallelEngine.from_config(config)
+        else:
+            self.llm_engine = LLMEngine.from_config(config)
         self._request_counter = itertools.count()
 
     @property
