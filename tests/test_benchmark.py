@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from minivllm.bench.benchmark import (
     BenchmarkContext,
+    engine_overrides,
     matching_token_share,
     model_flops,
     run_benchmark,
@@ -213,3 +214,12 @@ def test_workload_kv_cache_budget_holds_every_request_at_once(tiny_model_dirs):
     assert [len(o.outputs[0].token_ids) for o in outputs] == workload.output_lengths
     metrics = {m.name: m.value for m in llm.get_metrics()}
     assert metrics["vllm:num_preemptions"] == 0
+
+
+def test_engine_settings_name_a_backend_and_the_parallel_sizes(tiny_model_dirs):
+    assert engine_overrides("") == {}
+    assert engine_overrides("flex") == {"attention_backend": "flex"}
+    assert engine_overrides("tp=3") == {"tensor_parallel_size": 3}
+    assert engine_overrides("dp=2,torch") == {"data_parallel_size": 2, "attention_backend": "torch"}
+    with pytest.raises(ValueError, match="unknown engine setting 'pp=2'"):
+        run_benchmark(BenchmarkContext.load(tiny_model_dirs["llama"]), None, ["engine:pp=2"])

@@ -46,8 +46,10 @@ class BenchmarkContext:
     batch_size: int = 16  # rows per static batch
     hf_cb_max_batch_tokens: int | None = None  # generate_batch's budget (None: its default)
     engine_args: dict = field(default_factory=dict)  # extra LLM(...) arguments for engines
-    attention_backend: str = "auto"  # the engines' attention kernel (chapter 06)
-    # method name (with ":backend" unless the backend is "auto") -> its LLM
+    # What follows "engine:" in a method's name: an attention backend (chapter 06) and/or
+    # tp=N, dp=M (chapter 07), comma-separated; see `engine_overrides`.
+    engine_setting: str = ""
+    # method name (with ":setting" when there is one) -> its LLM
     engines: dict = field(default_factory=dict, repr=False)
     _hf_model: object = field(default=None, repr=False)
     _other_dtypes: dict = field(default_factory=dict, repr=False)  # dtype -> sibling context
@@ -265,13 +267,13 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
     """Our engine, built once per method (untimed) with `engine_args` on top of the context's."""
 
     def engine_key(ctx: BenchmarkContext) -> str:
-        return name if ctx.attention_backend == "auto" else f"{name}:{ctx.attention_backend}"
+        return f"{name}:{ctx.engine_setting}" if ctx.engine_setting else name
 
     def setup(ctx: BenchmarkContext, workload: Workload) -> None:
         from minivllm.entrypoints.llm import LLM
 
         key = engine_key(ctx)
-        args = ctx.engine_args | engine_args | {"attention_backend": ctx.attention_backend}
+        args = ctx.engine_args | engine_args | engine_overrides(ctx.engine_setting)
         if ctx.device.type == "cuda" and "kv_cache_memory_bytes" not in args:
             # Left to itself, an engine on CUDA takes gpu_memory_utilization (90%) of the GPU,
             # minus what this process already holds: the next method's engine (each LLM loads
@@ -379,7 +381,8 @@ def run_benchmark(
 
     A batched method can be given a batch size after a colon ("hf-static:64"); for "hf-cb"
     the number is generate_batch's token budget per step; for an engine, the setting names its
-    attention backend ("engine:flex", chapter 06). A dtype after an "@" runs the
+    attention backend ("engine:flex", chapter 06) and how it is parallel ("engine:tp=3",
+    "engine:dp=2,flex", chapter 07). A dtype after an "@" runs the
     method with the model in that dtype ("engine@bfloat16"), so that dtypes compare side by
     side in one run. With `measure_peak`, each dtype's matmul peak is measured once, for the
     model-FLOPs utilisation column.
@@ -396,7 +399,7 @@ def run_benchmark(
             if method.name == "hf-cb":
                 run_ctx.hf_cb_max_batch_tokens = int(setting)
             elif method.name.startswith("engine"):
-                run_ctx = replace(run_ctx, attention_backend=setting)
+                run_ctx = replace(run_ctx, engine_setting=setting)
             else:
                 run_ctx.batch_size = int(setting)
         label = method.label + (f" [{setting}]" if setting else "")
@@ -443,6 +446,26 @@ def run_benchmark(
     return results
 
 
+ENGINE_SETTING_NAMES = {"tp": "tensor_parallel_size", "dp": "data_parallel_size"}
+
+
+def engine_overrides(setting: str) -> dict:
+    """ "dp=2,flex" -> {"data_parallel_size": 2, "attention_backend": "flex"}: the LLM
+    arguments an engine method's setting asks for."""
+    overrides = {}
+    for item in filter(None, setting.split(",")):
+        key, equals, value = item.partition("=")
+        if not equals:
+            overrides["attention_backend"] = item
+        elif key in ENGINE_SETTING_NAMES:
+            overrides[ENGINE_SETTING_NAMES[key]] = int(value)
+        else:
+            raise ValueError(
+                f"unknown engine setting {item!r}; use an attention backend name, tp=N or dp=M"
+            )
+    return overrides
+
+
 def _parse_method(spec: str, device: torch.device | str) -> tuple[Method, str, torch.dtype | None]:
     """ "hf-static:64@bfloat16" -> (the hf-static method, "64", torch.bfloat16)."""
     name_and_setting, _, dtype_name = spec.partition("@")
@@ -453,6 +476,11 @@ def _parse_method(spec: str, device: torch.device | str) -> tuple[Method, str, t
     if dtype_name:
         try:
             dtype = resolve_dtype(dtype_name, torch.device(device))
+        except ValueError as error:
+            raise ValueError(f"benchmark method {spec!r}: {error}") from None
+    if name.startswith("engine"):
+        try:
+            engine_overrides(setting)
         except ValueError as error:
             raise ValueError(f"benchmark method {spec!r}: {error}") from None
     return METHODS[name], setting, dtype

@@ -6,7 +6,11 @@ loopback) and runs module-level functions on all of them at once, `fn(tp, *args)
 returning every rank's result. The notebook times all-reduces with it, and the tests check
 each parallel layer against its unsplit counterpart on real ranks.
 
-`allreduce_bytes_per_token` is the communication a split model needs, from its shapes alone.
+`allreduce_bytes_per_token` is the communication a split model needs, from its shapes alone;
+`measure_all_reduce` times all-reduces of growing size and `fit_link` reads a latency and a
+bandwidth off them. `projected_step` puts the two costs of a tensor-parallel decode step side by
+side, the arithmetic and memory traffic that N ranks share (chapter 02's roofline, divided by
+N) and the all-reduces that they add, to say when splitting a model pays off.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from minivllm.bench.roofline import Machine, decode_step_cost
 from minivllm.config import ModelConfig
 from minivllm.distributed.parallel_state import (
     TensorParallelGroup,
@@ -97,10 +102,13 @@ def _stop(pipes, processes) -> None:
             process.kill()
 
 
-def time_all_reduce(tp: TensorParallelGroup, num_elements: int, repeats: int = 20) -> float:
-    """Median seconds of one all-reduce of `num_elements` float32 values (run on every rank)."""
+def time_all_reduce(tp: TensorParallelGroup, num_elements: int, repeats: int = 50) -> float:
+    """Median seconds of one all-reduce of `num_elements` float32 values (run on every rank).
+    Single calls vary by an order of magnitude (a rank that the OS schedules late holds up the
+    others), so the median of many is the number to trust."""
     x = torch.ones(num_elements)
-    tp.all_reduce(x)  # the first call sets up the connections' buffers
+    for _ in range(5):  # the first calls set up the connections' buffers
+        tp.all_reduce(x)
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -114,3 +122,74 @@ def allreduce_bytes_per_token(config: ModelConfig, element_size: int = 4) -> int
     tensor-parallel model: one hidden vector after attention and one after the MLP in every
     layer, plus one after the vocabulary-split embedding."""
     return (2 * config.num_layers + 1) * config.hidden_size * element_size
+
+
+def measure_all_reduce(pool: RankPool, element_counts: list[int], repeats: int = 50) -> list[dict]:
+    """Median seconds of one float32 all-reduce of each size, on the pool's ranks: one row per
+    size, {"bytes", "seconds"} (the slowest rank's median: the others wait for it)."""
+    rows = []
+    for count in element_counts:
+        seconds = max(pool.run(time_all_reduce, count, repeats))
+        rows.append({"bytes": 4 * count, "seconds": seconds})
+    return rows
+
+
+@dataclass
+class Link:
+    """How fast ranks talk: an all-reduce of n bytes takes latency + n / bandwidth."""
+
+    name: str
+    latency_s: float
+    bandwidth: float  # bytes/s, as one all-reduce of a large message achieves it
+
+    def all_reduce_seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bandwidth
+
+
+def fit_link(name: str, rows: list[dict]) -> Link:
+    """Least-squares latency and bandwidth through measured (bytes, seconds) rows."""
+    sizes = torch.tensor([row["bytes"] for row in rows], dtype=torch.float64)
+    seconds = torch.tensor([row["seconds"] for row in rows], dtype=torch.float64)
+    design = torch.stack([torch.ones_like(sizes), sizes], dim=1)
+    latency, per_byte = torch.linalg.lstsq(design, seconds[:, None]).solution[:, 0].tolist()
+    return Link(name, max(latency, 0.0), 1.0 / per_byte)
+
+
+def ring_link(name: str, latency_s: float, link_bandwidth: float, num_ranks: int) -> Link:
+    """A ring all-reduce over links of `link_bandwidth` bytes/s each way: every rank sends and
+    receives 2 (N - 1) / N of the message, so a message moves at link_bandwidth * N / (2 (N - 1))."""
+    return Link(name, latency_s, link_bandwidth * num_ranks / (2 * (num_ranks - 1)))
+
+
+@dataclass
+class ProjectedStep:
+    """One decode step of a model split over `tp` ranks, in seconds."""
+
+    tp: int
+    compute_s: float  # the roofline's time for the rank's 1/tp share of FLOPs and bytes
+    communication_s: float  # the all-reduces
+
+    @property
+    def seconds(self) -> float:
+        return self.compute_s + self.communication_s
+
+
+def projected_step(
+    config: ModelConfig,
+    dtype: torch.dtype,
+    batch_size: int,
+    context_length: int,
+    machine: Machine,
+    tp: int,
+    link: Link | None,
+) -> ProjectedStep:
+    """Each rank multiplies 1/tp of the weights and reads 1/tp of the weights and of the KV
+    cache; then 2 x layers + 1 all-reduces of the batch's hidden states (which cannot overlap
+    the arithmetic: the next layer needs their result)."""
+    compute = decode_step_cost(config, dtype, batch_size, context_length).seconds_on(machine) / tp
+    if tp == 1:
+        return ProjectedStep(tp, compute, 0.0)
+    element = torch.empty((), dtype=dtype).element_size()
+    message = batch_size * config.hidden_size * element
+    num_all_reduces = 2 * config.num_layers + 1
+    return ProjectedStep(tp, compute, num_all_reduces * link.all_reduce_seconds(message))
