@@ -31,12 +31,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from minivllm import LLM, SamplingParams
+from minivllm.core.prefix_cache import hash_blocks
 from minivllm.engine.data_parallel import (
     DataParallelEngine,
+    PrefixAffinity,
     aggregate_metrics,
     choose_replica,
     load_score,
-    prefix_key,
 )
 from minivllm.engine.llm_engine import Metric
 
@@ -132,11 +133,28 @@ def test_the_router_picks_a_least_loaded_replica(loads):
         assert chosen == scores.index(min(scores))
 
 
-def test_the_prefix_key_is_the_first_full_block_and_the_salt():
-    assert prefix_key([1, 2, 3], block_size=4) is None
-    assert prefix_key([1, 2, 3, 4], 4) == prefix_key([1, 2, 3, 4, 9, 9], 4)
-    assert prefix_key([1, 2, 3, 4], 4) != prefix_key([1, 2, 3, 5], 4)
-    assert prefix_key([1, 2, 3, 4], 4, "a") != prefix_key([1, 2, 3, 4], 4, "b")
+def test_affinity_prefers_the_replica_with_the_longest_known_prefix():
+    affinity = PrefixAffinity(block_size=4)
+    system, question = [1, 2, 3, 4], [5, 6, 7, 8]
+    assert affinity.preferred_replica(hash_blocks(system + question, 4)) is None
+    affinity.remember(hash_blocks(system + question, 4), replica=1)
+    affinity.remember(hash_blocks(system + [9, 9, 9, 9], 4), replica=0)
+    # Both replicas saw the system block (replica 0 last), only replica 1 saw the question.
+    assert affinity.preferred_replica(hash_blocks(system + question + [0, 0, 0, 0], 4)) == 1
+    assert affinity.preferred_replica(hash_blocks(system + [7, 7, 7, 7], 4)) == 0
+    assert affinity.preferred_replica(hash_blocks([1, 2, 3], 4)) is None  # no full block
+    salted = hash_blocks(system + question, 4, cache_salt="other user")
+    assert affinity.preferred_replica(salted) is None
+
+
+def test_affinity_forgets_the_least_recent_blocks_first():
+    affinity = PrefixAffinity(block_size=1, capacity=2)
+    affinity.remember(hash_blocks([1], 1), replica=0)
+    affinity.remember(hash_blocks([2], 1), replica=1)
+    affinity.remember(hash_blocks([1], 1), replica=0)  # [1] is recent again
+    affinity.remember(hash_blocks([3], 1), replica=1)  # evicts [2]
+    assert affinity.preferred_replica(hash_blocks([2], 1)) is None
+    assert affinity.preferred_replica(hash_blocks([1], 1)) == 0
 
 
 def test_metrics_add_counts_and_average_rates():
@@ -201,8 +219,8 @@ def test_both_replicas_serve_and_metrics_add_up(two):
 
 
 def test_a_shared_prefix_follows_its_cache(two):
-    """Between equally idle replicas, a prompt goes where its first block was last served,
-    so it finds its prefix cached (the lowest index would have missed it)."""
+    """Between equally idle replicas, a prompt goes where its prefix was last served, so it
+    finds it cached (the lowest index would have missed it)."""
     assert two.reset_prefix_cache() is True
     system = list(range(500, 532))  # two full blocks of 16
     params = SamplingParams(temperature=0.0, max_tokens=2)

@@ -17,8 +17,8 @@ The router is vLLM's rule: a new request goes to the replica with the lowest sco
 `4 * waiting + running`. A waiting request weighs more than a running one because it still
 owes its whole prefill and it is queued behind everything else. Every replica has its own prefix
 cache, so cached blocks only help on the replica that computed them: when scores tie, the
-router prefers the replica that last served a prompt with the same first KV block (prefix
-affinity), so requests sharing a system prompt keep hitting the same cache.
+router prefers the replica that last received the longest prefix of the new prompt, in whole KV
+blocks (prefix affinity), so the turns of a conversation keep hitting the same cache.
 
 Replicas are started with multiprocessing's "spawn" method, so a script that builds
 `LLM(data_parallel_size=M)` needs the usual `if __name__ == "__main__":` guard.
@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing import connection
 from multiprocessing.connection import Connection
@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from minivllm.config import EngineConfig
+from minivllm.core.prefix_cache import BlockHash, hash_blocks
 from minivllm.engine.llm_engine import LLMEngine, Metric
 from minivllm.engine.processor import Processor
 from minivllm.models.loader import load_model_config, load_tokenizer, resolve_model_path
@@ -53,8 +54,8 @@ from minivllm.sample.sampling_params import SamplingParams
 
 # A waiting request counts four times a running one in a replica's load (vLLM's weight).
 WAITING_WEIGHT = 4
-# Prefix affinity remembers this many prompt prefixes; the oldest is forgotten first.
-MAX_REMEMBERED_PREFIXES = 4096
+# Prefix affinity remembers this many prompt blocks; the least recent is forgotten first.
+MAX_REMEMBERED_BLOCKS = 65536
 # How long shutdown() waits for replicas to stop by themselves before terminating them.
 SHUTDOWN_TIMEOUT_S = 5.0
 
@@ -76,15 +77,32 @@ def choose_replica(loads: Sequence[tuple[int, int]], preferred: int | None = Non
     return scores.index(best)
 
 
-def prefix_key(
-    token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
-) -> Hashable | None:
-    """What prefix affinity matches on: the prompt's first full KV block (and its salt, since
-    requests with different salts never share cached blocks). None if the prompt is shorter
-    than a block: there is nothing for a cache to share."""
-    if len(token_ids) < block_size:
+class PrefixAffinity:
+    """Which replica last received each prompt block, by chapter 05's chained block hashes:
+    for a new prompt, the replica that holds its longest prefix, as far as the router knows
+    (it may have evicted it since: affinity is a guess, never a correctness matter).
+
+    A shared system prompt alone would send every request of every conversation to one
+    replica if the router matched on the first block only; the longest match tells the
+    conversations apart."""
+
+    def __init__(self, block_size: int, capacity: int = MAX_REMEMBERED_BLOCKS):
+        self.block_size = block_size
+        self.capacity = capacity
+        self.owner: dict[BlockHash, int] = {}  # block hash -> replica, least recent first
+
+    def preferred_replica(self, hashes: list[BlockHash]) -> int | None:
+        for block_hash in reversed(hashes):  # the longest known prefix first
+            if block_hash in self.owner:
+                return self.owner[block_hash]
         return None
-    return (cache_salt, tuple(token_ids[:block_size]))
+
+    def remember(self, hashes: list[BlockHash], replica: int) -> None:
+        for block_hash in hashes:
+            self.owner.pop(block_hash, None)  # re-inserted last: the most recent
+            self.owner[block_hash] = replica
+        while len(self.owner) > self.capacity:
+            del self.owner[next(iter(self.owner))]
 
 
 # --- messages: plain data that crosses the pipes ----------------------------------------------
@@ -327,7 +345,9 @@ class DataParallelEngine:
         self.max_model_len = min(max_model_lens)
         self.processor = Processor(self.tokenizer, self.model_config.vocab_size, self.max_model_len)
         self.request_replica: dict[str, Replica] = {}  # unfinished request id -> its replica
-        self.prefix_replica: dict[Hashable, int] = {}  # prefix key -> replica that last had it
+        # Prefer, among equally loaded replicas, the one that holds a prompt's prefix; switch it
+        # off to measure what it buys.
+        self.prefix_affinity: PrefixAffinity | None = PrefixAffinity(config.block_size)
         self.pending: list[RequestOutput] = []  # outputs read while waiting for a Reply
 
     @classmethod
@@ -353,8 +373,10 @@ class DataParallelEngine:
         processed = self.processor.process_prompt(prompt)
         self.processor.check_fits(processed, params)
 
-        key = prefix_key(processed.token_ids, self.config.block_size, processed.cache_salt)
-        preferred = self.prefix_replica.get(key) if key is not None else None
+        affinity, preferred = self.prefix_affinity, None
+        if affinity is not None:
+            hashes = hash_blocks(processed.token_ids, self.config.block_size, processed.cache_salt)
+            preferred = affinity.preferred_replica(hashes)
         replica = self.replicas[choose_replica([r.load for r in self.replicas], preferred)]
         prompt_data = {
             "prompt": processed.text,
@@ -364,14 +386,8 @@ class DataParallelEngine:
         send(replica, AddRequest(request_id, prompt_data, params, priority))
         replica.num_sent += params.n
         self.request_replica[request_id] = replica
-        if key is not None:
-            self.remember_prefix(key, replica.index)
-
-    def remember_prefix(self, key: Hashable, index: int) -> None:
-        self.prefix_replica.pop(key, None)  # re-inserted last: the most recent
-        self.prefix_replica[key] = index
-        if len(self.prefix_replica) > MAX_REMEMBERED_PREFIXES:
-            del self.prefix_replica[next(iter(self.prefix_replica))]
+        if affinity is not None:
+            affinity.remember(hashes, replica.index)
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests wherever they are; unknown or finished ids are ignored."""
