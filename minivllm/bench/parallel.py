@@ -147,12 +147,15 @@ class Link:
 
 
 def fit_link(name: str, rows: list[dict]) -> Link:
-    """Least-squares latency and bandwidth through measured (bytes, seconds) rows."""
-    sizes = torch.tensor([row["bytes"] for row in rows], dtype=torch.float64)
-    seconds = torch.tensor([row["seconds"] for row in rows], dtype=torch.float64)
-    design = torch.stack([torch.ones_like(sizes), sizes], dim=1)
-    latency, per_byte = torch.linalg.lstsq(design, seconds[:, None]).solution[:, 0].tolist()
-    return Link(name, max(latency, 0.0), 1.0 / per_byte)
+    """The link's two numbers read off measured (bytes, seconds) rows: the latency is the
+    smallest message's time (it moves next to nothing), the bandwidth what the largest message
+    adds on top of that latency. Two points rather than a least-squares line, because timings of
+    small messages scatter and a line through them can come out with a negative slope."""
+    smallest = min(rows, key=lambda row: row["bytes"])
+    largest = max(rows, key=lambda row: row["bytes"])
+    extra = largest["seconds"] - smallest["seconds"]
+    bandwidth = (largest["bytes"] - smallest["bytes"]) / extra if extra > 0 else float("inf")
+    return Link(name, smallest["seconds"], bandwidth)
 
 
 def ring_link(name: str, latency_s: float, link_bandwidth: float, num_ranks: int) -> Link:

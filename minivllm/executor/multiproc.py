@@ -137,7 +137,10 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, model_path: Path):
         size = config.tensor_parallel_size
         launch = launch_from_environment(size) or open_local_rendezvous(size)
-        threads = fair_share_of_threads(size if launch.spawn_ranks else 1)
+        # The ranks on this machine share its cores: all of them when we spawn the ranks, the
+        # launcher's count (torchrun's LOCAL_WORLD_SIZE) otherwise.
+        ranks_here = size if launch.spawn_ranks else int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        threads = fair_share_of_threads(ranks_here)
         if launch.rank != 0:
             # Launched by torchrun on a rank that is not the engine's: serve as a worker until
             # the engine shuts down, then leave (the rest of the user's script is rank 0's).
