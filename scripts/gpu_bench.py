@@ -28,20 +28,26 @@ chapters' modules). Per chapter:
     06 attention-kernels the attention backends (torch reference, flex, Triton) on decode steps
                          over batch x context and on a prefill chunk; the Triton decode
                          kernel's memory bandwidth; the engine on each backend
+    07 parallelism       with 2+ GPUs, the engine alone against data parallel (DP=2) and tensor
+                         parallel (TP=3: the model's heads need it) on chapter 04's workload,
+                         and NCCL all-reduces between 2 GPUs; with one GPU, its decode step,
+                         matmul peak and memory bandwidth; on any device, the projected
+                         tensor-parallel decode step of this model and of a Llama-3-8B shape at
+                         TP = 1-8 over a spec-sheet NVLink ring
 
 Each chapter writes two files under OUT/<device>/ (OUT is figures/gpu by default, <device> the
 GPU's name as a slug): NN-name.json and NN-name.png, e.g. figures/gpu/nvidia-h200/04-throughput.
 The JSON is `write_json`'s record, the same as `minivllm bench` writes: "workload" (name,
 description), "device", "results" (one entry per method `run_benchmark` timed: every
-`MethodResult` field and output_tokens_per_s; empty for chapters 00 and 03), and then "chapter",
-"model", "dtype", "quick", "seconds" (wall time of the chapter) and the chapter's own
-measurements (see each `measure_*` function). Each notebook's GPU section globs
+`MethodResult` field and output_tokens_per_s; empty for chapters 00 and 03, and for 07 on one
+GPU), and then "chapter", "model", "dtype", "quick", "seconds" (wall time of the chapter) and
+the chapter's own measurements (see each `measure_*` function). Each notebook's GPU section globs
 figures/gpu/*/NN-*.json, skips files whose "quick" is true, and plots what it finds next to
 its own CPU numbers; without such a file the section says so and moves on.
 
 On a CPU the full sizes would take hours, and the notebooks' full mode already measures a CPU,
 so without --quick the script refuses to run there. --quick runs every chapter at tiny sizes on
-a tiny random model (two layers, the embedded tokenizer), in well under a minute on a CPU, and
+a tiny random model (two layers, the embedded tokenizer), in about a minute on a 2-core CPU, and
 writes to a temporary directory unless --out is given: the tests run it so that it cannot rot.
 Its numbers check the plumbing, they measure nothing.
 """
@@ -50,9 +56,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from random import Random
@@ -60,6 +67,8 @@ from random import Random
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from minivllm.attention import triton_paged
 from minivllm.attention.backend import AttentionMetadata, PagedKVCache
@@ -80,11 +89,21 @@ from minivllm.bench.benchmark import (
     device_label,
     format_table,
     greedy_requests,
+    measure_matmul_peak,
     run_benchmark,
     workload_kv_cache_bytes,
     write_json,
 )
 from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.parallel import (
+    Link,
+    RankPool,
+    fit_link,
+    measure_all_reduce,
+    projected_step,
+    ring_link,
+)
+from minivllm.bench.roofline import Machine, measure_memory_bandwidth
 from minivllm.bench.workloads import (
     Workload,
     chat_prompt_of_length,
@@ -92,8 +111,9 @@ from minivllm.bench.workloads import (
     throughput_workload,
     varied_output_workload,
 )
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, ModelConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.executor.multiproc import free_port
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.loader import embedded_model_dir, load_model, load_tokenizer
 from minivllm.models.tiny import make_tiny_model
@@ -102,7 +122,8 @@ from minivllm.sample.sampling_params import SamplingParams
 from minivllm.utils import cdiv
 
 DTYPE = torch.float32
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "figures" / "gpu"
+SCRIPT_DIR = Path(__file__).resolve().parent
+DEFAULT_OUT = SCRIPT_DIR.parent / "figures" / "gpu"
 MiB = 2**20
 
 
@@ -134,6 +155,12 @@ class Sizes:
     kernel_batches: tuple[int, ...]  # ch06: decode batches of the attention-backend grid
     kernel_contexts: tuple[int, ...]  # ch06: context lengths of that grid, tokens
     prefill_chunk: int  # ch06: new tokens of the timed prefill chunk (after as many cached)
+    all_reduce_elements: tuple[int, ...]  # ch07: float32 values of each timed all-reduce
+    all_reduce_repeats: int  # ch07: all-reduces per size; the median counts
+    parallel_batches: tuple[int, ...]  # ch07: rows of the measured decode steps
+    parallel_context: int  # ch07: cached tokens per row, there and in the projection
+    matmul_size: int  # ch07: side of the square products that measure the matmul peak
+    copy_megabytes: int  # ch07: size of the copy that measures the memory bandwidth
     repeats: int  # timed repetitions of a micro-benchmark; the fastest counts
 
 
@@ -162,6 +189,12 @@ GPU_SIZES = Sizes(
     kernel_batches=(1, 16, 64),
     kernel_contexts=(512, 2048, 4096),
     prefill_chunk=2048,
+    all_reduce_elements=tuple(4**k for k in range(4, 14)),  # 1 KiB to 256 MiB
+    all_reduce_repeats=20,
+    parallel_batches=(1, 4, 16, 64, 256),
+    parallel_context=1024,
+    matmul_size=8192,  # 1 TFLOP a product: long enough for the clock, as a 2048 one is not
+    copy_megabytes=1024,
     repeats=5,
 )
 
@@ -188,6 +221,14 @@ QUICK_SIZES = Sizes(
     kernel_batches=(1, 2),
     kernel_contexts=(32, 64),
     prefill_chunk=32,
+    # Up to 16 MiB: on a 2-core CPU a small all-reduce's median varies from 0.3 to 3.5 ms, and
+    # the largest (~14 ms) must stand clear of that for the fit to find a bandwidth.
+    all_reduce_elements=(2**8, 2**12, 2**16, 2**20, 2**22),
+    all_reduce_repeats=20,
+    parallel_batches=(1, 4),
+    parallel_context=32,
+    matmul_size=256,
+    copy_megabytes=16,
     repeats=2,
 )
 
@@ -432,10 +473,16 @@ def measure_kv_cache(run: Run) -> Chapter:
 
 
 @torch.inference_mode()
-def decode_step_seconds(run: Run, rows: int) -> float:
-    """The fastest of a few decode steps of `rows` rows over random stand-in K/V."""
-    context, config = run.sizes.decode_context, run.model.config
-    cache = ContiguousKVCache(config, rows, context + 1, DTYPE, run.device)
+def decode_step_seconds(
+    run: Run, rows: int, context: int | None = None, model: LlamaForCausalLM | None = None
+) -> float:
+    """The fastest of a few decode steps of `rows` rows over random stand-in K/V: `context`
+    cached tokens per row (decode_context by default), `model` in its own dtype (the run's by
+    default; chapter 07 times a bfloat16 copy)."""
+    context = run.sizes.decode_context if context is None else context
+    model = model or run.model
+    config, dtype = model.config, model.model.embed_tokens.weight.dtype
+    cache = ContiguousKVCache(config, rows, context + 1, dtype, run.device)
     cache.keys.normal_()
     cache.values.normal_()
     ids = torch.randint(0, config.vocab_size, (rows,), device=run.device)  # a new token per row
@@ -443,7 +490,7 @@ def decode_step_seconds(run: Run, rows: int) -> float:
     seq_lens = positions + 1  # cached tokens and the new one
 
     def step():
-        return run.model.compute_logits(run.model(ids, positions, cache.decode(seq_lens)))
+        return model.compute_logits(model(ids, positions, cache.decode(seq_lens)))
 
     return best_time(step, run.device, run.sizes.repeats)
 
@@ -815,6 +862,404 @@ def decode_bandwidth(run: Run) -> dict:
     )
 
 
+# --- chapter 07: tensor and data parallelism ---------------------------------------------------
+
+# Llama-3-8B's shapes (no weights: the projection is arithmetic). A decode step of it reads
+# 16 GB of bfloat16 weights, which is what splitting a model over GPUs is for; the embedded
+# model's 0.27 GB show the other side.
+LLAMA3_8B = ModelConfig(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+)
+PROJECTION_DTYPE = torch.bfloat16  # what models are served in
+PROJECTION_BATCHES = tuple(2**k for k in range(9))  # 1 to 256 sequences
+# Each model is projected at those of these sizes that split its heads, as the engine would
+# split them: SmolLM2's 9 query / 3 KV heads allow 1 and 3, Llama-3-8B's 32 / 8 allow 1, 2, 4, 8.
+PROJECTION_TP_SIZES = (1, 2, 3, 4, 8)
+DATA_PARALLEL_SIZE = 2  # fits any model: every replica holds all of it
+NVLINK_NAME = "NVLink 4 (spec sheet, 450 GB/s each way; 10 µs latency assumed)"
+TP_COLORS = {1: "tab:blue", 2: "tab:orange", 3: "tab:red", 4: "tab:green", 8: "tab:purple"}
+
+
+def nvlink(tp: int) -> Link:
+    """The projection's link: an all-reduce ring of `tp` GPUs over NVLink 4 (H100, H200) at the
+    spec sheet's bandwidth. The latency is an assumption, not a measurement: NCCL's small
+    all-reduces within one machine take some microseconds."""
+    return ring_link(NVLINK_NAME, 10e-6, 450e9, tp)
+
+
+def measure_parallelism(run: Run) -> Chapter:
+    """Tensor and data parallelism where there are devices to split over, and otherwise what
+    one device can say about them.
+
+    With 2+ GPUs: the engine alone, at DP=2 and at the smallest TP that the model's heads and
+    the GPUs allow, on chapter 04's workload (greedy tokens compared), and NCCL all-reduces
+    between 2 GPUs. With one GPU no engine runs. On a CPU (--quick) the same engines, their
+    ranks and replicas processes sharing the cores, and gloo all-reduces between 2 processes.
+    On every device: its decode step (this model in bfloat16), matmul peak and memory
+    bandwidth, and `projected_step` of this model and of a Llama-3-8B shape at TP = 1..8 over a
+    spec-sheet NVLink ring.
+
+    JSON: results ("engine", "engine:dp=2", "engine:tp=N"; empty when no engine ran); num_gpus;
+    skipped (why no engine ran, else null); tensor_parallel_size (the engine's, else null) and
+    tensor_parallel_skipped (why none ran, else null); notes; all_reduce (rows {bytes, seconds}:
+    one float32 all-reduce between 2 ranks, the slower rank's median; empty on one GPU),
+    all_reduce_backend; link {name, latency_s, bandwidth (bytes/s)} fitted to those rows, or
+    null; machine {name, peak_flops, bandwidth}: this device in bfloat16, measured;
+    decode_steps (rows {batch, measured_s, projected_s}: one step of this model with
+    parallel_context cached tokens per row, and the projection at TP=1, the roofline);
+    projection_dtype, projection_context, projection_links (rows {tp, name, latency_s,
+    bandwidth}) and projection (rows {model, tp, batch, compute_s, communication_s, seconds,
+    speedup: over TP=1 at the same batch}).
+    """
+    sizes = run.sizes
+    num_gpus = torch.cuda.device_count()
+    all_reduce_backend, all_reduce = measure_rank_all_reduce(run, num_gpus)
+    link = fit_link(f"{all_reduce_backend} (measured)", all_reduce) if all_reduce else None
+
+    notes: list[str] = []
+    results: list[MethodResult] = []
+    skipped = tp = tp_skipped = None
+    if run.device.type == "cuda" and num_gpus < 2:
+        skipped = tp_skipped = "tensor and data parallelism need 2+ GPUs"
+        low, high = min(sizes.parallel_batches), max(sizes.parallel_batches)
+        description = (
+            f"bfloat16 decode steps of {low}-{high} rows x {sizes.parallel_context} cached "
+            f"tokens (no engine run: {skipped})"
+        )
+        workload = Workload("decode-steps", [], [], description)
+    else:
+        tp, tp_skipped = engine_tensor_parallel_size(run, num_gpus)
+        methods = ["engine", f"engine:dp={DATA_PARALLEL_SIZE}"]
+        methods += [f"engine:tp={tp}"] if tp else []
+        workload = varied_output_workload(
+            run.tokenizer, sizes.varied_requests, output_lengths=sizes.varied_outputs
+        )
+        results = compare_engines(run, workload, methods)
+        if run.device.type == "cuda":  # LLM(device=...) is every replica's device
+            notes.append(
+                "the engine puts every data-parallel replica on the device it is given: "
+                "DP=2 ran both replicas on the first GPU"
+            )
+
+    machine = measure_machine(run)
+    decode_steps = measure_decode_steps(run, machine)
+    models = {run.model_name: run.model.config, "Llama-3-8B shape": LLAMA3_8B}
+    projection = [
+        row
+        for name, config in models.items()
+        for row in project_tensor_parallel(name, config, machine, sizes.parallel_context)
+    ]
+    tp_sizes = sorted({row["tp"] for row in projection} - {1})
+
+    fig = plot_parallelism(run, workload, results, all_reduce, link, decode_steps, projection)
+    return Chapter(
+        "07-parallelism",
+        workload,
+        fig,
+        results,
+        dict(
+            num_gpus=num_gpus,
+            skipped=skipped,
+            tensor_parallel_size=tp,
+            tensor_parallel_skipped=tp_skipped,
+            notes=notes,
+            all_reduce_backend=all_reduce_backend,
+            all_reduce=all_reduce,
+            link=None if link is None else asdict(link),
+            machine=asdict(machine),
+            decode_steps=decode_steps,
+            projection_dtype=str(PROJECTION_DTYPE).removeprefix("torch."),
+            projection_context=sizes.parallel_context,
+            projection_links=[dict(tp=n, **asdict(nvlink(n))) for n in tp_sizes],
+            projection=projection,
+        ),
+    )
+
+
+def tensor_parallel_sizes(config: ModelConfig, candidates) -> list[int]:
+    """Those of `candidates` that split the model's heads and MLP evenly (the engine's rule)."""
+    fitting = []
+    for size in candidates:
+        try:
+            config.check_tensor_parallel_size(size)
+        except ValueError:
+            continue
+        fitting.append(size)
+    return fitting
+
+
+def engine_tensor_parallel_size(run: Run, num_gpus: int) -> tuple[int | None, str | None]:
+    """The smallest TP size above 1 that fits both the model and the machine, else None and
+    why. On CUDA each rank needs a GPU of its own; on the CPU ranks are processes, and two of
+    them already share its cores."""
+    config = run.model.config
+    usable = range(2, num_gpus + 1) if run.device.type == "cuda" else [2]
+    fitting = tensor_parallel_sizes(config, usable)
+    if fitting:
+        return fitting[0], None
+    needed = tensor_parallel_sizes(config, range(2, config.num_heads + 1))
+    why = (
+        f"tensor parallelism on {run.model_name} ({config.num_heads} query / "
+        f"{config.num_kv_heads} KV heads) needs {needed[0] if needed else 'more'} GPUs; "
+        f"this machine has {num_gpus}"
+    )
+    print(why)
+    return None, why
+
+
+def compare_engines(run: Run, workload: Workload, methods: list[str]) -> list[MethodResult]:
+    """The engine methods side by side, then every engine stopped: replicas and ranks are
+    processes, and a tensor-parallel engine holds this process's torch.distributed group until
+    it shuts down."""
+    ctx = run.context()
+    try:
+        return run.benchmark(ctx, workload, methods)
+    finally:
+        for llm in ctx.engines.values():
+            llm.llm_engine.shutdown()
+
+
+def measure_rank_all_reduce(run: Run, num_gpus: int) -> tuple[str | None, list[dict]]:
+    """All-reduce times between 2 ranks, one row per size as `measure_all_reduce` gives them:
+    gloo between CPU processes (the package's `RankPool`, as the notebook measures), NCCL
+    between 2 GPUs, and nothing on one GPU (NCCL needs a GPU per rank)."""
+    counts, repeats = list(run.sizes.all_reduce_elements), run.sizes.all_reduce_repeats
+    if run.device.type == "cpu":
+        pool = RankPool(2)
+        try:
+            return "gloo, 2 CPU processes", measure_all_reduce(pool, counts, repeats)
+        finally:
+            pool.close()
+    if num_gpus >= 2:
+        return "NCCL, 2 GPUs", all_reduce_between_processes("nccl", counts, repeats)
+    return None, []
+
+
+def all_reduce_between_processes(backend: str, counts: list[int], repeats: int) -> list[dict]:
+    """`measure_all_reduce`'s rows from 2 spawned processes in a `backend` group, under NCCL
+    each rank on a GPU of its own (`RankPool`'s ranks speak gloo, on the CPU only)."""
+    # A spawned rank finds `_time_all_reduces` by importing this script by its module name:
+    # when the tests load it from scripts/, that folder must be on the path the ranks inherit.
+    if str(SCRIPT_DIR) not in sys.path:
+        sys.path.append(str(SCRIPT_DIR))
+    medians = mp.get_context("spawn").SimpleQueue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    mp.spawn(_time_all_reduces, (2, backend, init_method, counts, repeats, medians), nprocs=2)
+    per_rank = [medians.get() for _ in range(2)]
+    # The slower rank's median: an all-reduce is done when every rank holds the sum.
+    return [
+        {"bytes": 4 * count, "seconds": max(rank[i] for rank in per_rank)}
+        for i, count in enumerate(counts)
+    ]
+
+
+def _time_all_reduces(
+    rank: int, size: int, backend: str, init_method: str, counts: list[int], repeats: int, medians
+) -> None:
+    """One rank of `all_reduce_between_processes`: the median seconds of `repeats` float32
+    all-reduces of each size (single calls vary: a rank scheduled late holds up the others)."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    rank_medians = []
+    for count in counts:
+        x = torch.ones(count, device=device)
+        for _ in range(5):  # the first calls set up the connections and their buffers
+            dist.all_reduce(x)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # NCCL returns at once; the sum arrives later
+            times.append(time.perf_counter() - start)
+        rank_medians.append(sorted(times)[len(times) // 2])
+    medians.put(rank_medians)
+    dist.destroy_process_group()
+
+
+def measure_machine(run: Run) -> Machine:
+    """This device's two roofline numbers in the projection's dtype, measured: the best matrix
+    product and a large copy."""
+    dtype = str(PROJECTION_DTYPE).removeprefix("torch.")
+    return Machine(
+        f"{device_label()}, measured in {dtype}",
+        peak_flops=measure_matmul_peak(PROJECTION_DTYPE, run.device, run.sizes.matmul_size),
+        bandwidth=measure_memory_bandwidth(run.device, run.sizes.copy_megabytes),
+    )
+
+
+def measure_decode_steps(run: Run, machine: Machine) -> list[dict]:
+    """One decode step of this model in the projection's dtype at each batch size, measured
+    and projected at TP=1: how far eager PyTorch is from the roofline that the projection
+    divides among the ranks."""
+    model = load_model(run.model_dir, PROJECTION_DTYPE, run.device)
+    context = run.sizes.parallel_context
+    return [
+        dict(
+            batch=batch,
+            measured_s=decode_step_seconds(run, batch, context, model),
+            projected_s=projected_step(
+                model.config, PROJECTION_DTYPE, batch, context, machine, 1, None
+            ).seconds,
+        )
+        for batch in run.sizes.parallel_batches
+    ]
+
+
+def project_tensor_parallel(
+    name: str, config: ModelConfig, machine: Machine, context: int
+) -> list[dict]:
+    """`projected_step` of `config` at each TP size that fits it and each batch size, with its
+    speedup over one GPU at the same batch."""
+    rows = []
+    for tp in tensor_parallel_sizes(config, PROJECTION_TP_SIZES):
+        link = nvlink(tp) if tp > 1 else None
+        for batch in PROJECTION_BATCHES:
+            step = projected_step(config, PROJECTION_DTYPE, batch, context, machine, tp, link)
+            rows.append(
+                dict(
+                    model=name,
+                    tp=tp,
+                    batch=batch,
+                    compute_s=step.compute_s,
+                    communication_s=step.communication_s,
+                    seconds=step.seconds,
+                )
+            )
+    one_gpu = {row["batch"]: row["seconds"] for row in rows if row["tp"] == 1}
+    for row in rows:
+        row["speedup"] = one_gpu[row["batch"]] / row["seconds"]
+    return rows
+
+
+def plot_parallelism(
+    run: Run,
+    workload: Workload,
+    results: list[MethodResult],
+    all_reduce: list[dict],
+    link: Link | None,
+    decode_steps: list[dict],
+    projection: list[dict],
+) -> plt.Figure:
+    """All-reduce time against message size; this model's decode step, measured and projected;
+    each TP size's projected speedup against the batch; the engines' throughput if they ran."""
+    fig, axes = plt.subplots(
+        1, 4 if results else 3, figsize=(22 if results else 17, 4.6), layout="constrained"
+    )
+    plot_all_reduce(axes[0], all_reduce, link)
+    plot_decode_steps(axes[1], run, decode_steps, projection)
+    plot_projected_speedup(axes[2], run, projection)
+    if results:
+        plot_throughput(results, "the engine, whole workload", ax=axes[3], baseline="engine")
+    fig.suptitle(run.title("Tensor and data parallelism", workload), fontsize=10)
+    return fig
+
+
+def plot_all_reduce(ax, all_reduce: list[dict], link: Link | None) -> None:
+    message = np.geomspace(2**8, 2**28, 60)  # bytes
+    if all_reduce:
+        ax.plot(
+            [row["bytes"] for row in all_reduce],
+            [row["seconds"] * 1e6 for row in all_reduce],
+            "o",
+            color="black",
+            label=f"measured, {link.name.removesuffix(' (measured)')}",
+        )
+        ax.plot(
+            message,
+            [link.all_reduce_seconds(n) * 1e6 for n in message],
+            color="black",
+            label=f"fit: {link.latency_s * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s",
+        )
+    for tp in (2, 8):
+        ax.plot(
+            message,
+            [nvlink(tp).all_reduce_seconds(n) * 1e6 for n in message],
+            "--",
+            color=TP_COLORS[tp],
+            label=f"ring of {tp} GPUs, {NVLINK_NAME}",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("all-reduce message (bytes)")
+    ax.set_ylabel("time of one all-reduce (µs)")
+    measured = "measured between 2 ranks" if all_reduce else "none measured (one GPU)"
+    ax.set_title(f"all-reduce: {measured}", fontsize=9)
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+
+
+def plot_decode_steps(ax, run: Run, decode_steps: list[dict], projection: list[dict]) -> None:
+    where = "1 GPU" if run.device.type == "cuda" else "this CPU"
+    ax.plot(
+        [row["batch"] for row in decode_steps],
+        [row["measured_s"] * 1e3 for row in decode_steps],
+        "o-",
+        color="black",
+        label=f"measured, {where}",
+    )
+    ours = [row for row in projection if row["model"] == run.model_name]
+    for tp in sorted({row["tp"] for row in ours}):
+        rows = [row for row in ours if row["tp"] == tp]
+        ax.plot(
+            [row["batch"] for row in rows],
+            [row["seconds"] * 1e3 for row in rows],
+            "--",
+            color=TP_COLORS[tp],
+            label=f"projected, TP={tp}" + (" (roofline)" if tp == 1 else " (+ all-reduces)"),
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequences in the decode batch")
+    ax.set_ylabel("time of one decode step (ms)")
+    dtype = str(PROJECTION_DTYPE).removeprefix("torch.")
+    ax.set_title(
+        f"{run.model_name}, {dtype}, {run.sizes.parallel_context} cached tokens per sequence",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def plot_projected_speedup(ax, run: Run, projection: list[dict]) -> None:
+    for model, style in ((run.model_name, ":"), ("Llama-3-8B shape", "-")):
+        rows = [row for row in projection if row["model"] == model]
+        for tp in sorted({row["tp"] for row in rows} - {1}):
+            ax.plot(
+                [row["batch"] for row in rows if row["tp"] == tp],
+                [row["speedup"] for row in rows if row["tp"] == tp],
+                style,
+                color=TP_COLORS[tp],
+                marker="o",
+                markersize=3,
+                label=f"{model}, TP={tp}",
+            )
+    ax.axhline(1, color="gray", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequences in the decode batch")
+    ax.set_ylabel("projected decode-step speedup over 1 GPU (×)")
+    dtype = str(PROJECTION_DTYPE).removeprefix("torch.")
+    ax.set_title(
+        f"projection, {dtype}: this device's roofline / TP + NVLink all-reduces", fontsize=9
+    )
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
 # --- shared by the chapters --------------------------------------------------------------------
 
 
@@ -826,6 +1271,7 @@ CHAPTERS = (
     measure_throughput,
     measure_prefix_cache,
     measure_attention_kernels,
+    measure_parallelism,
 )
 
 

@@ -363,3 +363,13 @@ def test_no_replica_outlives_the_interpreter(model_dir, tmp_path):
     pids = [int(pid) for pid in done.stdout.split()]
     assert len(pids) == 2
     assert wait_until_gone(pids)
+
+
+def test_replicas_get_gpus_of_their_own_and_share_the_cpu():
+    from minivllm.config import EngineConfig
+    from minivllm.engine.data_parallel import replica_device
+
+    gpus = EngineConfig(device="cuda", tensor_parallel_size=2, data_parallel_size=2)
+    assert [replica_device(gpus, i).device for i in range(2)] == ["cuda:0", "cuda:2"]
+    assert replica_device(EngineConfig(device="cuda:1"), 1).device == "cuda:2"
+    assert replica_device(EngineConfig(device="cpu"), 1).device == "cpu"

@@ -239,3 +239,12 @@ def test_two_machines_over_loopback_are_one_engine(tiny_dirs):
     expected = LLM(model).generate(prompt, SamplingParams(temperature=0.0, max_tokens=10))
     assert outputs[0].strip() == expected[0].outputs[0].text.strip()
     assert outputs[1] == ""  # a worker rank prints nothing: the engine's output is rank 0's
+
+
+def test_ranks_count_gpus_on_from_the_engines_device():
+    from minivllm.config import EngineConfig
+    from minivllm.executor.multiproc import rank_config
+
+    assert rank_config(EngineConfig(device="cuda"), 1).device == "cuda:1"
+    assert rank_config(EngineConfig(device="cuda:2"), 1).device == "cuda:3"
+    assert rank_config(EngineConfig(device="cpu"), 1).device == "cpu"

@@ -22,6 +22,7 @@ STEMS = [
     "04-throughput",
     "05-prefix-cache",
     "06-attention-kernels",
+    "07-parallelism",
 ]
 
 
@@ -136,6 +137,68 @@ def test_attention_backends_run_side_by_side_with_the_same_tokens(records):
     assert all(ms > 0 for row in kernels["decode_attention"] for ms in row["ms"].values())
     assert set(kernels["prefill_attention"]["ms"]) == set(backends)
     assert (kernels["triton_decode_bandwidth"] is not None) == torch.cuda.is_available()
+
+
+def test_parallel_engines_give_the_same_tokens(records):
+    parallel = records["07-parallelism"]
+    assert parallel["num_gpus"] == torch.cuda.device_count()
+    methods = by_method(parallel)
+    if parallel["skipped"]:  # one GPU: nothing to split over, no engine runs
+        assert parallel["num_gpus"] == 1 and not methods
+        return
+    tp = parallel["tensor_parallel_size"]
+    if not torch.cuda.is_available():
+        assert tp == 2  # the quick model's 4 query / 2 KV heads split over 2 CPU ranks
+    assert (tp is None) == (parallel["tensor_parallel_skipped"] is not None)
+    assert list(methods) == ["engine", "engine:dp=2"] + ([f"engine:tp={tp}"] if tp else [])
+    # Greedy float32: splitting the model or the requests does not change a token.
+    assert all(result["same_tokens_as_first"] == 1.0 for result in methods.values())
+    assert len({result["output_tokens"] for result in methods.values()}) == 1
+
+
+def test_all_reduce_times_grow_with_the_message(records):
+    parallel = records["07-parallelism"]
+    rows, link = parallel["all_reduce"], parallel["link"]
+    if not rows:  # one GPU: NCCL needs a GPU per rank
+        assert parallel["num_gpus"] == 1 and link is None
+        return
+    assert parallel["all_reduce_backend"]
+    sizes = [row["bytes"] for row in rows]
+    assert sizes == sorted(sizes) and all(row["seconds"] > 0 for row in rows)
+    assert rows[-1]["seconds"] > rows[0]["seconds"]  # thousands of times the bytes
+    assert link["latency_s"] >= 0 and link["bandwidth"] > 0
+
+
+def test_parallel_projection_divides_compute_and_adds_communication(records):
+    parallel = records["07-parallelism"]
+    assert parallel["machine"]["peak_flops"] > 0 and parallel["machine"]["bandwidth"] > 0
+    assert all(row["measured_s"] > 0 for row in parallel["decode_steps"])
+    assert all(row["projected_s"] > 0 for row in parallel["decode_steps"])
+    steps = {(row["model"], row["batch"], row["tp"]): row for row in parallel["projection"]}
+    models = {model for model, _, _ in steps}
+    assert models == {parallel["model"], "Llama-3-8B shape"}
+    tp_sizes = {model: sorted({tp for m, _, tp in steps if m == model}) for model in models}
+    assert tp_sizes["Llama-3-8B shape"] == [1, 2, 4, 8]
+    assert tp_sizes[parallel["model"]][0] == 1
+    for model, batch in {(model, batch) for model, batch, _ in steps}:
+        rows = [steps[model, batch, tp] for tp in tp_sizes[model]]
+        assert rows[0]["communication_s"] == 0 and rows[0]["speedup"] == 1
+        assert all(row["communication_s"] > 0 for row in rows[1:])
+        computes = [row["compute_s"] for row in rows]
+        assert all(fewer < more for fewer, more in zip(computes[1:], computes))
+        for row in rows:
+            assert row["seconds"] == pytest.approx(row["compute_s"] + row["communication_s"])
+            assert row["speedup"] == pytest.approx(rows[0]["seconds"] / row["seconds"])
+    links = {link["tp"]: link for link in parallel["projection_links"]}
+    assert set(links) == {tp for _, _, tp in steps} - {1}
+    assert all(link["bandwidth"] > 0 and link["latency_s"] > 0 for link in links.values())
+
+
+def test_all_reduce_ranks_of_the_nccl_measurement_run_on_gloo():
+    """The NCCL measurement runs only with 2+ GPUs; its ranks' code runs here over gloo."""
+    rows = load_script().all_reduce_between_processes("gloo", [256, 4096], repeats=3)
+    assert [row["bytes"] for row in rows] == [1024, 16384]
+    assert all(row["seconds"] > 0 for row in rows)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, resolve_device
 from minivllm.core.prefix_cache import BlockHash, hash_blocks
 from minivllm.engine.llm_engine import LLMEngine, Metric
 from minivllm.engine.processor import Processor
@@ -333,7 +333,9 @@ class DataParallelEngine:
         atexit.register(self._finalizer)
         try:
             for index in range(num_replicas):
-                self.replicas.append(start_replica(index, replica_config, num_threads))
+                self.replicas.append(
+                    start_replica(index, replica_device(replica_config, index), num_threads)
+                )
             # The front end needs the tokenizer too; it loads it while the replicas load models.
             self.tokenizer = load_tokenizer(self.model_path)
             self.model_config = load_model_config(self.model_path)
@@ -507,6 +509,16 @@ def aggregate_metrics(per_replica: list[list[Metric]]) -> list[Metric]:
 
 
 # --- starting and stopping replicas -----------------------------------------------------------
+
+
+def replica_device(config: EngineConfig, index: int) -> EngineConfig:
+    """On GPUs, replica i gets GPUs of its own: i * tensor_parallel_size and the next ones (its
+    tensor-parallel ranks count on from its first); on the CPU replicas share the cores."""
+    device = resolve_device(config.device)
+    if device.type != "cuda":
+        return config
+    first = (device.index or 0) + index * config.tensor_parallel_size
+    return replace(config, device=f"cuda:{first}")
 
 
 def start_replica(index: int, config: EngineConfig, num_threads: int) -> Replica:

@@ -125,9 +125,11 @@ def free_port() -> int:
 
 
 def rank_config(config: EngineConfig, local_rank: int) -> EngineConfig:
-    """Each rank on its own GPU of the machine; CPU ranks share the CPU."""
-    if resolve_device(config.device).type == "cuda":
-        return dataclasses.replace(config, device=f"cuda:{local_rank}")
+    """Each rank on its own GPU of the machine, counting from the engine's device (cuda:2 for
+    rank 0 puts rank 1 on cuda:3); CPU ranks share the CPU."""
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + local_rank}")
     return config
 
 
