@@ -148,14 +148,14 @@ class Link:
 
 def fit_link(name: str, rows: list[dict]) -> Link:
     """The link's two numbers read off measured (bytes, seconds) rows: the latency is the
-    smallest message's time (it moves next to nothing), the bandwidth what the largest message
-    adds on top of that latency. Two points rather than a least-squares line, because timings of
-    small messages scatter and a line through them can come out with a negative slope."""
-    smallest = min(rows, key=lambda row: row["bytes"])
+    fastest message's time (small messages move next to nothing, and a late rank only ever
+    makes a time longer), the bandwidth what the largest message adds on top of that latency.
+    Not a least-squares line: timings of small messages scatter, and a line through them can
+    come out with a negative slope."""
+    latency = min(row["seconds"] for row in rows)
     largest = max(rows, key=lambda row: row["bytes"])
-    extra = largest["seconds"] - smallest["seconds"]
-    bandwidth = (largest["bytes"] - smallest["bytes"]) / extra if extra > 0 else float("inf")
-    return Link(name, smallest["seconds"], bandwidth)
+    extra = largest["seconds"] - latency
+    return Link(name, latency, largest["bytes"] / extra if extra > 0 else float("inf"))
 
 
 def ring_link(name: str, latency_s: float, link_bandwidth: float, num_ranks: int) -> Link:
