@@ -9,6 +9,7 @@ for early Mistral), which appear here as plain fields.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -175,6 +176,48 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Chapter 08's speculative decoding, with vLLM's `speculative_config` keys."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # draft tokens proposed per step
+    prompt_lookup_min: int = 2  # n-gram: shortest suffix worth matching
+    prompt_lookup_max: int = 4  # n-gram: longest suffix tried first
+
+    @classmethod
+    def from_value(cls, value: dict | str) -> SpeculativeConfig:
+        """From `LLM(speculative_config={...})` or the CLI's JSON string; clear errors for
+        unknown keys and bad values."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"speculative_config is not valid JSON: {error}") from None
+        if not isinstance(value, dict):
+            reject("speculative_config", value, "a dict (or a JSON object string)")
+        names = [item.name for item in fields(cls)]
+        unknown = [key for key in value if key not in names]
+        if unknown:
+            raise ValueError(
+                f"unknown speculative_config key(s) {', '.join(unknown)}; valid: {', '.join(names)}"
+            )
+        config = cls(**value)
+        if config.method not in SPECULATIVE_METHODS:
+            reject("speculative_config.method", config.method, f"one of {SPECULATIVE_METHODS}")
+        int_at_least("speculative_config.num_speculative_tokens", config.num_speculative_tokens, 1)
+        int_at_least("speculative_config.prompt_lookup_min", config.prompt_lookup_min, 1)
+        int_at_least(
+            "speculative_config.prompt_lookup_max",
+            config.prompt_lookup_max,
+            config.prompt_lookup_min,
+        )
+        return config
+
+
 def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """One engine setting: its default, the help text the CLI shows, and (for a string) the
     values it may take. `LLM(...)`, the CLI flags and validation are all derived from these."""
@@ -225,6 +268,11 @@ class EngineConfig:
         1, "processes (devices) each layer is split across, one KV-head share each"
     )
     data_parallel_size: int = setting(1, "engine replicas, each in its own process(es)")
+    speculative_config: dict | str | None = setting(
+        None,
+        'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", '
+        '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+    )
 
     def __post_init__(self):
         for name in (
@@ -244,10 +292,19 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 reject(name, getattr(self, name), "a bool")
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_value(self.speculative_config)  # raises on a bad one
         for item in fields(self):
             choices, value = item.metadata["choices"], getattr(self, item.name)
             if choices is not None and isinstance(value, str) and value not in choices:
                 reject(item.name, value, f"one of {', '.join(choices)}")
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The parsed speculative_config, or None without speculation."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_value(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

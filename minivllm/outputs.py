@@ -77,3 +77,5 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs] | None] = field(default_factory=dict)
+    # Chapter 08: request id -> draft tokens proposed for the next step.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)

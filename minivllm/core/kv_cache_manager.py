@@ -140,6 +140,15 @@ class KVCacheManager:
         if self.prefix_cache is not None:
             self.prefix_cache.cache_full_blocks(request, self.block_tables[request.request_id])
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Keep only the blocks the request's first `num_tokens` tokens need (chapter 08: the
+        blocks that held rejected draft tokens go back)."""
+        table = self.block_tables[request_id]
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(table):
+            self.pool.free(list(reversed(table[keep:])))
+            del table[keep:]
+
     def free(self, request_id: str) -> None:
         """Return a finished, aborted or preempted request's blocks to the pool."""
         blocks = self.block_tables.pop(request_id, [])

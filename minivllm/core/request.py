@@ -56,6 +56,9 @@ class Request(SequenceTokens):
     # Prefix caching (chapter 05): requests with different salts never share KV blocks.
     cache_salt: str | None = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    # Speculative decoding (chapter 08): draft tokens proposed after the last step, to be
+    # verified by the next one (not part of the output until accepted).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def create(
@@ -94,6 +97,10 @@ class Request(SequenceTokens):
         if params.logprobs is not None:
             request.logprobs, request.cumulative_logprob = [], 0.0
         return request
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.prefix_cache import PrefixCacheStats
@@ -45,6 +45,25 @@ class SchedulerConfig:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Chapter 08: how the draft tokens fared, cumulative (vLLM's spec-decode counters)."""
+
+    num_drafts: int = 0  # verification steps of one request
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # drafts kept at position i
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position += [0] * (num_draft_tokens - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+
+@dataclass
 class RunnerView:
     """What the model runner already knows of a request, so a step sends only what changed."""
 
@@ -60,7 +79,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # tokens appended to outputs (several a step, chapter 08)
         self.prefix_cache_stats = PrefixCacheStats()  # chapter 05 hook: cumulative, in tokens
+        self.spec_decode_stats = SpecDecodeStats()  # chapter 08 hook
         self._arrival_order: dict[str, int] = {}
         self._arrival_counter = itertools.count()
         self._runner_views: dict[str, RunnerView] = {}  # requests the runner holds
@@ -89,7 +110,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # Chapter 08 hook: a decode's grant also covers its draft tokens (verified at once).
+            num_new = min(request.num_tokens_with_spec - request.num_computed_tokens, budget)
+            del request.spec_token_ids[
+                max(0, request.num_computed_tokens + num_new - request.num_tokens) :
+            ]
             total = request.num_computed_tokens + num_new
             while not self.kv_cache_manager.allocate_slots(request.request_id, total):
                 victim = self._pick_victim()
@@ -148,6 +173,8 @@ class Scheduler:
         by_id = {r.request_id: r for r in self.running}
         for req_id in granted:
             request = by_id[req_id]
+            if request.spec_token_ids:  # chapter 08 hook
+                output.scheduled_spec_decode_tokens[req_id] = list(request.spec_token_ids)
             table = self.kv_cache_manager.block_tables[req_id]
             view = self._runner_views.get(req_id)
             if view is None:
@@ -171,6 +198,7 @@ class Scheduler:
                         ),
                         num_computed_tokens=request.num_computed_tokens,
                         resumed_from_preemption=view.preempted,
+                        num_kept_block_ids=0 if view.preempted else view.num_block_ids,
                     )
                 )
             self._runner_views[req_id] = RunnerView(len(table), len(request.output_token_ids))
@@ -194,7 +222,9 @@ class Scheduler:
         )
         for request in self.running:
             end = request.num_computed_tokens + granted.get(request.request_id, 0)
-            assert end <= request.num_tokens, f"{request.request_id} granted past its tokens"
+            assert end <= request.num_tokens_with_spec, (
+                f"{request.request_id} granted past its tokens"
+            )
             held = len(self.kv_cache_manager.block_tables[request.request_id])
             assert held * self.kv_cache_manager.block_size >= end, (
                 f"{request.request_id} runs to token {end} with only {held} blocks"
@@ -209,20 +239,51 @@ class Scheduler:
         updated = []
         for req_id, num_new in output.num_scheduled_tokens.items():
             request = by_id[req_id]
-            request.num_computed_tokens += num_new
-            self.kv_cache_manager.cache_full_blocks(request)
             token_ids = runner_output.sampled_token_ids.get(req_id)
+            request.num_computed_tokens += num_new
+            request.spec_token_ids = []
+            drafts = output.scheduled_spec_decode_tokens.get(req_id)
+            if drafts and token_ids is not None:  # chapter 08 hook: roll back the rejected
+                num_accepted = len(token_ids) - 1
+                request.num_computed_tokens -= len(drafts) - num_accepted
+                self.spec_decode_stats.record(len(drafts), num_accepted)
             if token_ids is None:
+                self.kv_cache_manager.cache_full_blocks(request)
                 continue  # a prefill chunk that did not reach the end of the prompt
             logprobs = runner_output.logprobs.get(req_id) or [None] * len(token_ids)
             for token_id, token_logprobs in zip(token_ids, logprobs):
                 request.append_token(token_id, token_logprobs)
+                self.num_generated_tokens += 1
                 if request.is_finished:
                     break
+            # A stop among the accepted drafts ends the sequence there: later K/V do not count.
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            self.kv_cache_manager.cache_full_blocks(request)
             updated.append(request)
             if request.is_finished:
                 self._retire(request)
+            elif drafts:
+                self.kv_cache_manager.free_tail(req_id, request.num_computed_tokens)
+                view = self._runner_views[req_id]  # the runner must drop them too
+                view.num_block_ids = min(
+                    view.num_block_ids, len(self.kv_cache_manager.block_tables[req_id])
+                )
+            if not request.is_finished:
+                request.spec_token_ids = self._draft_room(
+                    request, runner_output.spec_token_ids.get(req_id, [])
+                )
         return updated
+
+    @staticmethod
+    def _draft_room(request: Request, drafts: list[int]) -> list[int]:
+        """Chapter 08: the drafts the request can still use. A step emits the accepted drafts
+        plus one token, so at most max_tokens - output - 1 drafts (never more tokens than
+        asked) and none past the context."""
+        room = min(
+            request.max_tokens - len(request.output_token_ids),
+            request.max_model_len - request.num_tokens,
+        )
+        return drafts[: max(0, room - 1)]
 
     def abort_request(self, request: Request) -> None:
         """Remove a request wherever it is and give back its blocks."""
@@ -256,6 +317,7 @@ class Scheduler:
         self.kv_cache_manager.free(request.request_id)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # chapter 08: drafts are only worth verifying while running
         request.num_preemptions += 1
         self.num_preemptions += 1
         if request.request_id in self._runner_views:

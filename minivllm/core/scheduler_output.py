@@ -44,6 +44,9 @@ class CachedRequestData:
     new_block_ids: list[int]  # blocks appended; after a preemption, the whole new table
     num_computed_tokens: int
     resumed_from_preemption: bool = False
+    # How many of its blocks the runner keeps before appending the new ones: all it had,
+    # none after a preemption, fewer after rejected draft tokens gave blocks back (chapter 08).
+    num_kept_block_ids: int = 0
 
 
 @dataclass
@@ -56,6 +59,9 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     preempted_req_ids: list[str] = field(default_factory=list)  # lost their blocks this step
     finished_req_ids: set[str] = field(default_factory=set)  # ended since the last step
+    # Chapter 08: request id -> the draft tokens this step verifies (its grant covers them,
+    # after its last known token).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

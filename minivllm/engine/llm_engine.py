@@ -86,7 +86,6 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.model_config.hf_config, self.tokenizer)
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
         self.last_step_prefix_cache = (0, 0)  # (queries, hits) of the last step
 
     @classmethod
@@ -174,7 +173,6 @@ class LLMEngine:
         for sequence in updated:
             if len(sequence.output_token_ids) == 1:
                 self.num_prompt_tokens += len(sequence.prompt_token_ids)
-            self.num_generation_tokens += 1
             parent_ids[sequence.parent_request_id] = None
         outputs = [self._request_output(parent_id) for parent_id in parent_ids]
         for output in outputs:
@@ -212,7 +210,12 @@ class LLMEngine:
             ("vllm:num_requests_waiting", "gauge", len(scheduler.waiting), "Requests waiting"),
             ("vllm:num_preemptions", "counter", scheduler.num_preemptions, "Preemptions so far"),
             ("vllm:prompt_tokens", "counter", self.num_prompt_tokens, "Prompt tokens processed"),
-            ("vllm:generation_tokens", "counter", self.num_generation_tokens, "Generated tokens"),
+            (
+                "vllm:generation_tokens",
+                "counter",
+                scheduler.num_generated_tokens,
+                "Generated tokens",
+            ),
             ("vllm:prefix_cache_queries", "counter", cache.queries, "Prompt tokens looked up"),
             ("vllm:prefix_cache_hits", "counter", cache.hits, "Prompt tokens found cached"),
             ("minivllm:prefix_cache_hit_rate", "gauge", cache.hit_rate, "hits / queries, so far"),
@@ -223,7 +226,46 @@ class LLMEngine:
                 "hits / queries of the requests admitted in the last step",
             ),
         ]
+        if self.config.speculative_config is not None:
+            rows += spec_decode_metric_rows(scheduler.spec_decode_stats)
         return [Metric(*row) for row in rows]
+
+
+def spec_decode_metric_rows(stats) -> list[tuple]:
+    """Chapter 08's counters under vLLM's names, and the two numbers they are read for: how
+    many drafts survive, and how many tokens a verification step yields on average."""
+    rows = [
+        ("vllm:spec_decode_num_drafts", "counter", stats.num_drafts, "Verification steps"),
+        ("vllm:spec_decode_num_draft_tokens", "counter", stats.num_draft_tokens, "Draft tokens"),
+        (
+            "vllm:spec_decode_num_accepted_tokens",
+            "counter",
+            stats.num_accepted_tokens,
+            "Draft tokens accepted",
+        ),
+        (
+            "minivllm:spec_decode_acceptance_rate",
+            "gauge",
+            stats.num_accepted_tokens / stats.num_draft_tokens if stats.num_draft_tokens else 0.0,
+            "accepted / draft tokens, so far",
+        ),
+        (
+            "minivllm:spec_decode_mean_accepted_length",
+            "gauge",
+            1 + stats.num_accepted_tokens / stats.num_drafts if stats.num_drafts else 0.0,
+            "tokens a verification step emits on average (accepted drafts + 1)",
+        ),
+    ]
+    for position, accepted in enumerate(stats.accepted_per_position):
+        rows.append(
+            (
+                f'vllm:spec_decode_num_accepted_tokens_per_pos{{position="{position}"}}',
+                "counter",
+                accepted,
+                f"Drafts accepted at position {position}",
+            )
+        )
+    return rows
 
 
 def eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:

@@ -154,17 +154,7 @@ class Sampler:
         self.default_generator = default_generator
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(
-                f"logits must be [len(rows), vocab] = [{len(rows)}, vocab], "
-                f"got {list(logits.shape)}"
-            )
-        logits = logits.float()
-        if any(_has_penalties(row.params) for row in rows):
-            logits = self._penalise(logits, rows)
-        banned_token_ids = [_stop_ids_still_banned(row) for row in rows]
-        if any(banned_token_ids):
-            logits = ban_tokens(logits, banned_token_ids)
+        logits = self._adjusted_logits(logits, rows)
 
         # Fast path: greedy rows need nothing but argmax, so an all-greedy batch skips
         # temperature, truncation and the random draw altogether.
@@ -183,6 +173,34 @@ class Sampler:
             logprobs=_collect_logprobs(logits, token_ids, rows),
         )
 
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution each row's token is drawn from, [rows, vocab]: after penalties,
+        the min_tokens ban, temperature and truncation; one-hot at the argmax for greedy rows.
+        Chapter 08's rejection sampler verifies draft tokens against it."""
+        logits = self._adjusted_logits(logits, rows)
+        probs = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if random_rows:
+            probs[random_rows] = self._truncated_probs(
+                logits[random_rows], [rows[i] for i in random_rows]
+            )
+        return probs
+
+    def _adjusted_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Penalties and the min_tokens ban, in float32: what logprobs report."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(
+                f"logits must be [len(rows), vocab] = [{len(rows)}, vocab], "
+                f"got {list(logits.shape)}"
+            )
+        logits = logits.float()
+        if any(_has_penalties(row.params) for row in rows):
+            logits = self._penalise(logits, rows)
+        banned_token_ids = [_stop_ids_still_banned(row) for row in rows]
+        if any(banned_token_ids):
+            logits = ban_tokens(logits, banned_token_ids)
+        return logits
+
     def _penalise(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         return apply_penalties(
             logits,
@@ -193,14 +211,18 @@ class Sampler:
             _param_tensor(rows, "presence_penalty", torch.float32, logits.device),
         )
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Temperature, then top-k, top-p and min-p, then one draw per row."""
+    def _truncated_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Temperature, then top-k, top-p and min-p: the distribution a random row draws from."""
         device = logits.device
         logits = logits / _param_tensor(rows, "temperature", torch.float32, device).unsqueeze(1)
         logits = apply_top_k(logits, _param_tensor(rows, "top_k", torch.long, device))
         logits = apply_top_p(logits, _param_tensor(rows, "top_p", torch.float32, device))
         logits = apply_min_p(logits, _param_tensor(rows, "min_p", torch.float32, device))
-        probs = logits.softmax(dim=-1)
+        return logits.softmax(dim=-1)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One draw per row from its truncated distribution."""
+        probs = self._truncated_probs(logits, rows)
         # Exponential race: with E_i ~ Exp(1), argmax(p_i / E_i) is token i with probability p_i.
         # Unlike torch.multinomial on the batch, it lets each row take its noise from its own
         # generator. The clamp keeps a (rare) zero draw from turning a dropped token's 0/0 into a

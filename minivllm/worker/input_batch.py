@@ -52,29 +52,41 @@ class InputBatch:
     block_tables: list[list[int]]
     sample_rows: list[int]  # the row whose logits give each sampling request's next token
     sample_req_ids: list[str]
+    # Chapter 08: request id -> the rows of its last known token and of its draft tokens (the
+    # target's distribution at each draft position, and after the last one).
+    spec_rows: dict[str, list[int]]
 
 
 def prepare_inputs(
     requests: dict[str, CachedRequestState],
     num_scheduled_tokens: dict[str, int],
     block_size: int,
+    spec_tokens: dict[str, list[int]] | None = None,
 ) -> InputBatch:
     """Lay out the scheduled tokens of every request side by side, in the scheduler's order.
 
     A request computes its tokens num_computed..num_computed + n - 1; it samples when that
-    reaches its last known token (a prefill chunk that stops mid-prompt does not).
+    reaches its last known token (a prefill chunk that stops mid-prompt does not). With draft
+    tokens (chapter 08) the grant runs past the last known token over the drafts, and every
+    row from the last known token on is scored.
     """
-    batch = InputBatch([], [], [], [], [], [], [], [])
+    spec_tokens = spec_tokens or {}
+    batch = InputBatch([], [], [], [], [], [], [], [], {})
     for req_id, num_new in num_scheduled_tokens.items():
         state = requests[req_id]
+        drafts = spec_tokens.get(req_id, [])
         start, end = state.num_computed_tokens, state.num_computed_tokens + num_new
-        batch.input_ids += state.token_ids_between(start, end)
+        first_row = len(batch.input_ids)
+        batch.input_ids += state.token_ids_between(start, end - len(drafts)) + drafts
         batch.positions += range(start, end)
         batch.slot_mapping += slot_mapping(state.block_ids, block_size, start, end)
         batch.query_lens.append(num_new)
         batch.seq_lens.append(end)
         batch.block_tables.append(state.block_ids)
-        if end == state.num_tokens:
+        if drafts:
+            last_known = first_row + (state.num_tokens - 1 - start)
+            batch.spec_rows[req_id] = list(range(last_known, first_row + num_new))
+        elif end == state.num_tokens:
             batch.sample_rows.append(len(batch.input_ids) - 1)
             batch.sample_req_ids.append(req_id)
     return batch

@@ -19,6 +19,8 @@ from minivllm.models.llama import LlamaForCausalLM
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sample.sampler import Sampler
 from minivllm.sequence import own_generator
+from minivllm.spec_decode.ngram_proposer import NgramProposer
+from minivllm.spec_decode.rejection_sampler import rejection_sample
 from minivllm.worker.input_batch import CachedRequestState, prepare_inputs
 
 
@@ -29,11 +31,13 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         attention_backend: type[PagedAttentionBackend],
         sampler: Sampler,
+        proposer: NgramProposer | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend
         self.sampler = sampler
+        self.proposer = proposer  # chapter 08: drafts for the next step, or None
         self.device = model.model.embed_tokens.weight.device
         self.requests: dict[str, CachedRequestState] = {}  # every request the runner holds
 
@@ -44,7 +48,10 @@ class ModelRunner:
         if not scheduler_output.num_scheduled_tokens:
             return ModelRunnerOutput()
         batch = prepare_inputs(
-            self.requests, scheduler_output.num_scheduled_tokens, self.kv_cache.block_size
+            self.requests,
+            scheduler_output.num_scheduled_tokens,
+            self.kv_cache.block_size,
+            scheduler_output.scheduled_spec_decode_tokens,
         )
         metadata = AttentionMetadata.build(
             batch.query_lens,
@@ -58,23 +65,58 @@ class ModelRunner:
             torch.tensor(batch.positions, device=self.device),
             self.attention_backend(self.kv_cache, metadata),
         )
-        if not batch.sample_req_ids:
+        spec_rows = [row for rows in batch.spec_rows.values() for row in rows]
+        if not batch.sample_req_ids and not spec_rows:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[batch.sample_rows])
+        logits = self.model.compute_logits(hidden[batch.sample_rows + spec_rows])
         if logits is None:  # a tensor-parallel follower (chapter 07): rank 0 samples
             return ModelRunnerOutput()
-        rows = [self.requests[req_id].sampling_row() for req_id in batch.sample_req_ids]
-        sampled = self.sampler(logits, rows)
-        return ModelRunnerOutput(
-            sampled_token_ids={
-                req_id: [token_id]
-                for req_id, token_id in zip(batch.sample_req_ids, sampled.token_ids)
-            },
-            logprobs={
-                req_id: None if token_logprobs is None else [token_logprobs]
-                for req_id, token_logprobs in zip(batch.sample_req_ids, sampled.logprobs)
-            },
-        )
+        output = ModelRunnerOutput()
+        num_plain = len(batch.sample_rows)
+        if num_plain:
+            rows = [self.requests[req_id].sampling_row() for req_id in batch.sample_req_ids]
+            sampled = self.sampler(logits[:num_plain], rows)
+            for req_id, token_id, token_logprobs in zip(
+                batch.sample_req_ids, sampled.token_ids, sampled.logprobs
+            ):
+                output.sampled_token_ids[req_id] = [token_id]
+                output.logprobs[req_id] = None if token_logprobs is None else [token_logprobs]
+        # Chapter 08: verify each request's drafts against its rows of logits.
+        offset = num_plain
+        for req_id, rows in batch.spec_rows.items():
+            drafts = scheduler_output.scheduled_spec_decode_tokens[req_id]
+            request_logits = logits[offset : offset + len(rows)]
+            output.sampled_token_ids[req_id] = self.verify(req_id, drafts, request_logits)
+            output.logprobs[req_id] = None
+            offset += len(rows)
+        if self.proposer is not None:
+            output.spec_token_ids = self.propose(output.sampled_token_ids)
+        return output
+
+    def verify(self, req_id: str, drafts: list[int], logits: torch.Tensor) -> list[int]:
+        """Chapter 08: the tokens a request emits from its drafts. Row i is scored as if drafts
+        0..i-1 had been sampled (penalties and min_tokens see them), then the rejection sampler
+        keeps drafts while the target agrees and adds one token of its own."""
+        state = self.requests[req_id]
+        rows = []
+        for i in range(len(drafts) + 1):
+            row = state.sampling_row()
+            row.output_token_ids = state.output_token_ids + drafts[:i]
+            rows.append(row)
+        target_probs = self.sampler.probabilities(logits, rows)
+        generator = state.generator or self.sampler.default_generator
+        return rejection_sample(target_probs, drafts, None, generator)
+
+    def propose(self, sampled_token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Chapter 08: drafts for the next step of every request that just got tokens (not for
+        requests that want logprobs: a verified draft has no sampled logprobs of its own)."""
+        drafts = {}
+        for req_id, new_tokens in sampled_token_ids.items():
+            state = self.requests[req_id]
+            if state.params.logprobs is None:
+                tokens = state.prompt_token_ids + state.output_token_ids + new_tokens
+                drafts[req_id] = self.proposer.propose(tokens)
+        return drafts
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Bring the runner's copy of each request up to date with the scheduler's."""
@@ -94,8 +136,5 @@ class ModelRunner:
         for cached in scheduler_output.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.output_token_ids += cached.new_token_ids
-            if cached.resumed_from_preemption:
-                state.block_ids = list(cached.new_block_ids)
-            else:
-                state.block_ids += cached.new_block_ids
+            state.block_ids = state.block_ids[: cached.num_kept_block_ids] + cached.new_block_ids
             state.num_computed_tokens = cached.num_computed_tokens

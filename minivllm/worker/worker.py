@@ -36,6 +36,7 @@ from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGr
 from minivllm.models.loader import load_model
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sample.sampler import Sampler, make_generator
+from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.utils import cdiv
 from minivllm.worker.cpu_allocator import keep_freed_memory_in_process
 from minivllm.worker.model_runner import ModelRunner
@@ -88,7 +89,17 @@ class Worker:
             self.rank_model_config, num_blocks, self.config.block_size, self.dtype, self.device
         )
         sampler = Sampler(default_generator=make_generator(self.config.seed, self.device))
-        self.model_runner = ModelRunner(self.model, kv_cache, self.attention_backend, sampler)
+        speculative = self.config.speculative  # chapter 08
+        proposer = None
+        if speculative is not None:
+            proposer = NgramProposer(
+                speculative.num_speculative_tokens,
+                speculative.prompt_lookup_min,
+                speculative.prompt_lookup_max,
+            )
+        self.model_runner = ModelRunner(
+            self.model, kv_cache, self.attention_backend, sampler, proposer
+        )
         max_num_tokens = min(self.config.max_num_batched_tokens, self.model.config.max_model_len)
         self.attention_backend.warm_up(
             kv_cache, self.rank_model_config.num_heads, self.config.max_num_seqs, max_num_tokens

@@ -1,0 +1,1 @@
+"""Chapter 08: speculative decoding — guess several tokens cheaply, verify them in one forward."""

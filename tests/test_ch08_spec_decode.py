@@ -1,0 +1,281 @@
+"""Chapter 08 checks: speculative decoding changes how fast tokens come, never which.
+
+Greedy: the engine with n-gram drafts gives the tokens it gives without them (and
+transformers'), alone and in a batch, with prefix caching and with preemption. Sampling: the
+rejection sampler's output is distributed as the target's, measured over many seeded draws, and
+a wrong rule (resampling from the target instead of the residual) fails the same measurement.
+The pool: after every step a request holds exactly the blocks of its accepted tokens, and
+nothing is left after the requests end or are aborted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty, chat_prompt_ids
+
+from minivllm import LLM, SamplingParams
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.spec_decode.ngram_proposer import NgramProposer
+from minivllm.spec_decode.rejection_sampler import rejection_sample
+from minivllm.utils import cdiv
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+# Prompts that repeat themselves, so that n-gram lookups find something to propose.
+COPY_PROMPTS = [
+    {"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 5, 6, 7]},
+    {"prompt_token_ids": list(range(300, 320)) + list(range(300, 310))},
+    {"prompt_token_ids": [42, 43] * 6},
+    {"prompt_token_ids": [900, 901, 902, 903, 904, 905, 900, 901]},
+]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def metrics(llm) -> dict:
+    return {m.name: m.value for m in llm.get_metrics()}
+
+
+# --- the proposer -------------------------------------------------------------------------------
+
+
+def test_ngram_proposer_copies_what_followed_the_latest_longest_match():
+    proposer = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    # "1 2 3" occurred before, followed by 4 5 6: the longest suffix match wins.
+    assert proposer.propose([1, 2, 3, 4, 5, 6, 9, 1, 2, 3]) == [4, 5, 6]
+    # "7" occurs twice earlier; the most recent occurrence is followed by 8, 0.
+    assert proposer.propose([7, 1, 7, 8, 0, 7]) == [8, 0, 7]
+    # Fewer tokens than k follow the match: propose what there is.
+    assert proposer.propose([3, 4, 3]) == [4, 3]
+    assert proposer.propose([1, 2, 3]) == []  # no repeat
+    assert NgramProposer(3, 2, 3).propose([5, 6, 1, 6]) == []  # only a 1-token match
+
+
+# --- the rejection sampler ----------------------------------------------------------------------
+
+TRIALS = 6000
+VOCAB = 5
+
+
+def total_variation(samples: list[int], probs: torch.Tensor) -> float:
+    counts = torch.bincount(torch.tensor(samples), minlength=len(probs)).double()
+    return 0.5 * float((counts / counts.sum() - probs.double()).abs().sum())
+
+
+def first_token_distribution(sampler, p: torch.Tensor, q: torch.Tensor | None, seed: int):
+    """The first emitted token over many trials: a draft drawn from q (or fixed at token 0 for
+    an n-gram draft, q one-hot), verified against target p."""
+    generator = torch.Generator().manual_seed(seed)
+    emitted = []
+    for _ in range(TRIALS):
+        draft = 0 if q is None else int(torch.multinomial(q, 1, generator=generator))
+        target = torch.stack([p, p])  # the draft position and the bonus position
+        emitted.append(sampler(target, [draft], None if q is None else q[None], generator)[0])
+    return emitted
+
+
+def _resample_from_target(target_probs, draft_token_ids, draft_probs, generator=None):
+    """The wrong rule: on rejection draw from p itself instead of the residual max(0, p - q)."""
+    p = target_probs[0]
+    token = draft_token_ids[0]
+    q_token = 1.0 if draft_probs is None else float(draft_probs[0][token])
+    if float(torch.rand((), generator=generator)) < min(1.0, float(p[token]) / q_token):
+        return [token]
+    return [int(torch.multinomial(p, 1, generator=generator))]
+
+
+@pytest.mark.parametrize("draft", ["draft model", "n-gram"])
+def test_rejection_sampling_keeps_the_target_distribution(draft):
+    generator = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(VOCAB, generator=generator) * 1.5, dim=0)
+    q = torch.softmax(torch.randn(VOCAB, generator=generator) * 1.5, dim=0)
+    q = None if draft == "n-gram" else q
+    right = first_token_distribution(rejection_sample, p, q, seed=1)
+    wrong = first_token_distribution(_resample_from_target, p, q, seed=1)
+    # With 6,000 draws the sampling noise in total variation is about 0.01; the wrong rule is
+    # off by far more (it over-weights tokens the draft proposes too often).
+    assert total_variation(right, p) < 0.025
+    assert total_variation(wrong, p) > 0.05
+
+
+def test_greedy_rejection_keeps_the_argmax_and_adds_it_on_rejection():
+    one_hot = torch.eye(VOCAB)
+    target = one_hot[[2, 3, 1]]  # argmax 2, then 3, then the bonus 1
+    assert rejection_sample(target, [2, 3], None) == [2, 3, 1]  # both accepted + bonus
+    assert rejection_sample(target, [2, 4], None) == [2, 3]  # second rejected: the argmax
+    assert rejection_sample(target, [0, 3], None) == [2]  # first rejected
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+class OracleProposer:
+    """A stand-in draft that knows each prompt's true greedy continuation (from a plain run)
+    and gets every third token wrong: drafts are proposed at every step, some kept and some
+    rolled back, whatever the model. (A tiny random model's output rarely repeats, so the
+    n-gram proposer would propose nothing to verify.)"""
+
+    def __init__(self, sequences: list[list[int]], k: int = 4):
+        self.sequences, self.k = sequences, k
+
+    def propose(self, token_ids: list[int]) -> list[int]:
+        for full in self.sequences:
+            if full[: len(token_ids)] == token_ids:
+                continuation = full[len(token_ids) : len(token_ids) + self.k]
+                return [
+                    t if (len(token_ids) + i) % 3 else t + 1 for i, t in enumerate(continuation)
+                ]
+        return []
+
+
+def engine(model_dir, **kwargs) -> LLMEngine:
+    settings = dict(model=str(model_dir), block_size=4, enable_prefix_caching=True) | kwargs
+    return LLMEngine(EngineConfig(**settings))
+
+
+def with_oracle(eng: LLMEngine, prompts, outputs) -> LLMEngine:
+    sequences = [p["prompt_token_ids"] + o for p, o in zip(prompts, outputs)]
+    eng.executor.driver_worker.model_runner.proposer = OracleProposer(sequences)
+    return eng
+
+
+def run_checking_blocks(eng: LLMEngine, prompts, params) -> dict[str, list[int]]:
+    """Step the engine to the end; after every step each running request holds exactly the
+    blocks of its computed tokens (rejected drafts' blocks went back)."""
+    for i, prompt in enumerate(prompts):
+        eng.add_request(str(i), prompt, params)
+    finished = {}
+    while eng.has_unfinished_requests():
+        for output in eng.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+        manager = eng.kv_cache_manager
+        for request in eng.scheduler.running:
+            held = len(manager.block_tables[request.request_id])
+            assert held == cdiv(request.num_computed_tokens, manager.block_size)
+    assert_pool_is_empty(eng)
+    return [finished[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_speculation_gives_the_tokens_of_plain_decoding(tiny_model_dirs, batch):
+    model = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    prompts = (COPY_PROMPTS * 2)[:batch]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = run_checking_blocks(engine(model), prompts, params)
+    speculative = with_oracle(engine(model, speculative_config=NGRAM), prompts, plain)
+    assert run_checking_blocks(speculative, prompts, params) == plain
+    stats = speculative.scheduler.spec_decode_stats
+    assert stats.num_draft_tokens > 0, "no draft was ever proposed: the test proves nothing"
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some kept, some rolled back
+
+
+def test_greedy_speculation_survives_preemption_with_the_same_tokens(tiny_model_dirs):
+    """A pool of 14 blocks of 4 tokens for 8 requests: requests are preempted (their drafts
+    dropped) and recomputed, and the tokens do not change."""
+    model = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    prompts = COPY_PROMPTS * 2
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    budget = 14 * 4 * 512  # 14 blocks of 4 tokens; the tiny model's K/V take 512 bytes a token
+    plain_engine = engine(model, kv_cache_memory_bytes=budget, max_num_seqs=8)
+    plain = run_checking_blocks(plain_engine, prompts, params)
+    speculative = engine(
+        model, kv_cache_memory_bytes=budget, max_num_seqs=8, speculative_config=NGRAM
+    )
+    assert run_checking_blocks(with_oracle(speculative, prompts, plain), prompts, params) == plain
+    assert speculative.scheduler.num_preemptions > 0
+    assert speculative.scheduler.spec_decode_stats.num_draft_tokens > 0
+
+
+def test_speculation_never_emits_more_than_max_tokens_and_honours_stops(tiny_model_dirs):
+    """Drafts run past max_tokens and past a stop token; neither may show in the output."""
+    model = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    plain = LLM(model)
+    long_run = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    truth = token_ids(plain.generate(COPY_PROMPTS, long_run, use_tqdm=False))
+    stop_id = truth[0][5]  # a token the first request emits mid-way
+    for params in (
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]),
+    ):
+        expected = token_ids(plain.generate(COPY_PROMPTS, params, use_tqdm=False))
+        speculative = LLM(model, speculative_config=NGRAM)
+        with_oracle(speculative.llm_engine, COPY_PROMPTS, truth)
+        got = token_ids(speculative.generate(COPY_PROMPTS, params, use_tqdm=False))
+        assert got == expected
+        assert all(len(tokens) <= params.max_tokens for tokens in got)
+        assert metrics(speculative)["vllm:spec_decode_num_draft_tokens"] > 0
+    assert expected[0][-1] == stop_id  # the stop ended the first request where it appeared
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(tiny_model_dirs):
+    model = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    truth = token_ids(LLM(model).generate(COPY_PROMPTS, greedy, use_tqdm=False))
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=16) for s in range(4)]
+    runs = []
+    for order in (slice(None), slice(None, None, -1)):  # in another batch order: same tokens
+        llm = LLM(model, speculative_config=NGRAM)
+        with_oracle(llm.llm_engine, COPY_PROMPTS, truth)
+        outputs = token_ids(llm.generate(COPY_PROMPTS[order], params[order], use_tqdm=False))
+        runs.append(outputs[order])
+        assert metrics(llm)["vllm:spec_decode_num_draft_tokens"] > 0
+    assert runs[0] == runs[1]
+
+
+def test_ngram_drafts_on_a_tiny_model_that_repeats_itself(tiny_model_dirs):
+    """The tiny tied-embedding llama keeps repeating tokens it has seen, so the real n-gram
+    proposer finds matches; its greedy tokens stay those of plain decoding."""
+    llm = LLM(tiny_model_dirs["llama"], speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.0, max_tokens=21, ignore_eos=True)
+    got = token_ids(llm.generate(COPY_PROMPTS, params, use_tqdm=False))
+    plain = LLM(tiny_model_dirs["llama"]).generate(COPY_PROMPTS, params, use_tqdm=False)
+    assert got == token_ids(plain)
+    seen = metrics(llm)
+    assert seen["vllm:spec_decode_num_accepted_tokens"] > 0
+    per_position = [
+        seen[f'vllm:spec_decode_num_accepted_tokens_per_pos{{position="{i}"}}'] for i in range(4)
+    ]
+    assert sum(per_position) == seen["vllm:spec_decode_num_accepted_tokens"]
+    assert per_position == sorted(per_position, reverse=True)  # a later draft needs the earlier
+
+
+def test_aborting_mid_speculation_frees_every_block(tiny_model_dirs):
+    eng = engine(tiny_model_dirs[ENGINE_TEST_FAMILY], speculative_config=NGRAM)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(COPY_PROMPTS):
+        eng.add_request(str(i), prompt, params)
+    while eng.scheduler.spec_decode_stats.num_drafts < 3:
+        eng.step()
+    eng.abort_request([str(i) for i in range(len(COPY_PROMPTS))])
+    eng.step()  # the runner is told to forget them
+    assert_pool_is_empty(eng)
+
+
+def test_embedded_model_with_speculation_gives_transformers_greedy_tokens(
+    tokenizer, transformers_greedy
+):
+    prompt = chat_prompt_ids(
+        tokenizer, "Repeat after me, word for word: the quick brown fox jumps over the lazy dog."
+    )
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    output = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=20)
+    )
+    assert list(output[0].outputs[0].token_ids) == transformers_greedy(prompt, 20)
+    assert metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+def test_bad_speculative_configs_are_clear_errors():
+    for bad, message in (
+        ({"method": "eagle"}, "speculative_config.method"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
+        ({"draft": 1}, "unknown speculative_config key"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
+        ("{not json", "not valid JSON"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(speculative_config=bad)
