@@ -279,3 +279,27 @@ def test_bad_speculative_configs_are_clear_errors():
     ):
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=bad)
+
+
+def test_rejection_sampler_check_passes_on_minivllm_and_fails_on_a_typical_mistake():
+    from minivllm.learning_checks import all_checks, assert_check, run_check
+
+    assert_check("ch08.rejection_sample", all_checks()["ch08.rejection_sample"].reference())
+    result = run_check("ch08.rejection_sample", _resample_from_target_everywhere)
+    assert not result.passed
+    assert "should follow p" in result.report
+
+
+def _resample_from_target_everywhere(target_probs, draft_token_ids, draft_probs, generator=None):
+    """The typical mistake, for any number of drafts: on rejection, draw from p itself."""
+    emitted = []
+    for i, token in enumerate(draft_token_ids):
+        p = target_probs[i]
+        q_token = 1.0 if draft_probs is None else float(draft_probs[i][token])
+        if float(torch.rand((), generator=generator)) < min(1.0, float(p[token]) / q_token):
+            emitted.append(token)
+            continue
+        emitted.append(int(torch.multinomial(p, 1, generator=generator)))
+        return emitted
+    emitted.append(int(torch.multinomial(target_probs[-1], 1, generator=generator)))
+    return emitted

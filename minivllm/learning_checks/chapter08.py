@@ -1,0 +1,77 @@
+"""Chapter 08's learning check: the rejection sampler of speculative decoding."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from minivllm.learning_checks import check_settings, learning_check, show_values
+
+# One fixed case for the distribution: a target p and a draft q that disagree, so that a
+# wrong rule (say, resampling from p instead of the residual max(0, p - q)) is far off.
+TARGET = torch.tensor([0.5, 0.3, 0.1, 0.1])
+DRAFT = torch.tensor([0.1, 0.2, 0.6, 0.1])
+TRIALS = 4000
+TOLERANCE = 0.035  # total variation; sampling noise is about 0.01 at 4,000 draws
+
+
+def _our_rejection_sample():
+    from minivllm.spec_decode.rejection_sampler import rejection_sample
+
+    return rejection_sample
+
+
+@learning_check(
+    "ch08.rejection_sample",
+    signature="rejection_sample(target_probs: Tensor[k+1, vocab], draft_token_ids: list[int] "
+    "(k of them), draft_probs: Tensor[k, vocab] | None (None: each draft was certain, q = "
+    "one-hot), generator: torch.Generator | None) -> list[int]: keep draft i with probability "
+    "min(1, p_i(x) / q_i(x)); at the first rejection emit a token drawn from max(0, p_i - q_i) "
+    "renormalised and stop; if all are kept, emit a bonus token drawn from target_probs[k].",
+    reference=_our_rejection_sample,
+)
+def check_rejection_sample(rejection_sample) -> None:
+    """Greedy targets (one-hot) must give exactly the greedy tokens; and over many seeded draws
+    the first emitted token must follow the target distribution, not the draft's."""
+
+    @check_settings(max_examples=25)
+    @given(
+        vocab=st.integers(2, 5),
+        argmaxes=st.lists(st.integers(0, 4), min_size=2, max_size=4),
+        drafts=st.lists(st.integers(0, 4), min_size=1, max_size=3),
+    )
+    def greedy_property(vocab, argmaxes, drafts):
+        argmaxes = [a % vocab for a in argmaxes]
+        drafts = [d % vocab for d in drafts][: len(argmaxes) - 1]
+        target = torch.eye(vocab)[argmaxes[: len(drafts) + 1]]
+        expected = []
+        for draft, best in zip(drafts, argmaxes):
+            expected.append(best)  # a kept draft is the argmax; a rejected one is replaced by it
+            if draft != best:
+                break
+        else:
+            expected.append(argmaxes[len(drafts)])  # the bonus token
+        got = rejection_sample(target, drafts, None, torch.Generator().manual_seed(0))
+        if list(got) != expected:
+            raise AssertionError(
+                f"greedy targets (argmax per position {argmaxes[: len(drafts) + 1]}), drafts "
+                f"{drafts}: expected {expected}, got {list(got)}"
+            )
+
+    greedy_property()
+    generator = torch.Generator().manual_seed(0)
+    first_tokens = []
+    for _ in range(TRIALS):
+        draft = int(torch.multinomial(DRAFT, 1, generator=generator))
+        emitted = rejection_sample(torch.stack([TARGET, TARGET]), [draft], DRAFT[None], generator)
+        first_tokens.append(int(emitted[0]))
+    counts = torch.bincount(torch.tensor(first_tokens), minlength=len(TARGET)).float()
+    observed = counts / counts.sum()
+    distance = 0.5 * float((observed - TARGET).abs().sum())
+    if distance > TOLERANCE:
+        raise AssertionError(
+            f"drafts drawn from q = {show_values(DRAFT)}, target p = {show_values(TARGET)}: the "
+            f"first emitted token should follow p, but over {TRIALS} draws it followed "
+            f"{show_values(observed)} (total variation {distance:.3f})"
+        )
