@@ -23,6 +23,7 @@ STEMS = [
     "05-prefix-cache",
     "06-attention-kernels",
     "07-parallelism",
+    "08-speculative-decoding",
 ]
 
 
@@ -192,6 +193,40 @@ def test_parallel_projection_divides_compute_and_adds_communication(records):
     links = {link["tp"]: link for link in parallel["projection_links"]}
     assert set(links) == {tp for _, _, tp in steps} - {1}
     assert all(link["bandwidth"] > 0 and link["latency_s"] > 0 for link in links.values())
+
+
+def test_speculative_decoding_keeps_greedy_tokens(records):
+    speculative = records["08-speculative-decoding"]
+    batch1 = speculative["batch1"]
+    assert {(row["workload"], row["method"]) for row in batch1} == {
+        (workload, method)
+        for workload in ("copying", "free writing")
+        for method in ("plain", "ngram k=3", "ngram k=5")
+    }
+    # Greedy float32: the verification step keeps exactly the tokens plain decoding picks.
+    assert all(row["same_tokens"] is True for row in batch1)
+    assert all(row["tokens_per_s"] > 0 and row["speedup"] > 0 for row in batch1)
+    assert all(row["speedup"] == 1 for row in batch1 if row["method"] == "plain")
+    acceptance = speculative["acceptance_per_position"]
+    assert set(acceptance) == {
+        f"{method}/{workload}"
+        for method in ("ngram k=3", "ngram k=5")
+        for workload in ("copying", "free writing")
+    }
+    assert set(speculative["verification_steps"]) == set(acceptance)
+    assert all(steps >= 0 for steps in speculative["verification_steps"].values())
+    for key, shares in acceptance.items():
+        assert len(shares) == int(key.split("/")[0].removeprefix("ngram k=")), key
+        assert all(0 <= share <= 1 for share in shares), key
+        # A draft is kept only after every earlier one was.
+        assert all(later <= earlier for earlier, later in zip(shares, shares[1:])), key
+    sweep = speculative["batch_sweep"]
+    assert [row["batch"] for row in sweep] == sorted(row["batch"] for row in sweep)
+    for row in sweep:
+        assert row["plain_tokens_per_s"] > 0 and row["speculative_tokens_per_s"] > 0
+        assert row["ratio"] == pytest.approx(
+            row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
+        )
 
 
 def test_all_reduce_ranks_of_the_nccl_measurement_run_on_gloo():
