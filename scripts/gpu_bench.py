@@ -101,6 +101,7 @@ from minivllm.bench.benchmark import (
 )
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.parallel import (
+    LLAMA3_8B,
     Link,
     RankPool,
     fit_link,
@@ -877,23 +878,6 @@ def decode_bandwidth(run: Run) -> dict:
 
 # --- chapter 07: tensor and data parallelism ---------------------------------------------------
 
-# Llama-3-8B's shapes (no weights: the projection is arithmetic). A decode step of it reads
-# 16 GB of bfloat16 weights, which is what splitting a model over GPUs is for; the embedded
-# model's 0.27 GB show the other side.
-LLAMA3_8B = ModelConfig(
-    model_type="llama",
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    head_dim=128,
-    rms_norm_eps=1e-5,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-    rope_theta=500000.0,
-)
 PROJECTION_DTYPE = torch.bfloat16  # what models are served in
 PROJECTION_BATCHES = tuple(2**k for k in range(9))  # 1 to 256 sequences
 # Each model is projected at those of these sizes that split its heads, as the engine would

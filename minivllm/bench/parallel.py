@@ -164,6 +164,25 @@ def ring_link(name: str, latency_s: float, link_bandwidth: float, num_ranks: int
     return Link(name, latency_s, link_bandwidth * num_ranks / (2 * (num_ranks - 1)))
 
 
+# Llama-3-8B's shapes, for `projected_step` (no weights: the projection is arithmetic). A decode step of it reads
+# 16 GB of bfloat16 weights, which is what splitting a model over GPUs is for; the embedded
+# model's 0.27 GB show the other side.
+LLAMA3_8B = ModelConfig(
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    rope_theta=500000.0,
+)
+
+
 @dataclass
 class ProjectedStep:
     """One decode step of a model split over `tp` ranks, in seconds."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
-import os
 import pickle
 import queue
 import signal
@@ -48,6 +47,7 @@ from minivllm.config import EngineConfig, resolve_device
 from minivllm.core.prefix_cache import BlockHash, hash_blocks
 from minivllm.engine.llm_engine import LLMEngine, Metric
 from minivllm.engine.processor import Processor
+from minivllm.executor.multiproc import fair_share_of_threads
 from minivllm.models.loader import load_model_config, load_tokenizer, resolve_model_path
 from minivllm.outputs import RequestOutput
 from minivllm.sample.sampling_params import SamplingParams
@@ -322,7 +322,7 @@ class DataParallelEngine:
         self.model_path = resolve_model_path(config.model)
         num_replicas = config.data_parallel_size
         replica_config = replace(config, model=str(self.model_path), data_parallel_size=1)
-        num_threads = max(1, (os.cpu_count() or 1) // num_replicas)
+        num_threads = fair_share_of_threads(num_replicas)
         self.replicas: list[Replica] = []
         # Replicas are not daemons (a replica may start tensor-parallel workers of its own), so
         # nothing stops them for us: `del llm`, garbage collection and interpreter exit all
@@ -367,25 +367,16 @@ class DataParallelEngine:
         priority: int = 0,
     ) -> None:
         """Validate a request here (ValueError/TypeError, nothing sent), then route it."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.request_replica:
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = self.processor.process_prompt(prompt)
-        self.processor.check_fits(processed, params)
+        processed, params = self.processor.process_request(prompt, params)
 
         affinity, preferred = self.prefix_affinity, None
         if affinity is not None:
             hashes = hash_blocks(processed.token_ids, self.config.block_size, processed.cache_salt)
             preferred = affinity.preferred_replica(hashes)
         replica = self.replicas[choose_replica([r.load for r in self.replicas], preferred)]
-        prompt_data = {
-            "prompt": processed.text,
-            "prompt_token_ids": processed.token_ids,
-            "cache_salt": processed.cache_salt,
-        }
-        send(replica, AddRequest(request_id, prompt_data, params, priority))
+        send(replica, AddRequest(request_id, processed.as_prompt(), params, priority))
         replica.num_sent += params.n
         self.request_replica[request_id] = replica
         if affinity is not None:

@@ -109,13 +109,9 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request (a string, {"prompt": ...} or {"prompt_token_ids": ...}).
         Raises ValueError/TypeError for bad input; nothing is queued then."""
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = self.processor.process_prompt(prompt)
-        self.processor.check_fits(processed, params)
+        processed, params = self.processor.process_request(prompt, params)
         sequences = []
         for index in range(params.n):
             # "id#index" names each sequence uniquely: the part after the last "#" is an int,

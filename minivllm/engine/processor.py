@@ -22,6 +22,14 @@ class ProcessedPrompt:
     token_ids: list[int]
     cache_salt: str | None = None  # prefix caching: only requests with the same salt share
 
+    def as_prompt(self) -> dict:
+        """The checked prompt in the form `add_request` takes, so it is not encoded again."""
+        return {
+            "prompt": self.text,
+            "prompt_token_ids": self.token_ids,
+            "cache_salt": self.cache_salt,
+        }
+
 
 @dataclass
 class Processor:
@@ -55,6 +63,18 @@ class Processor:
                 f"{self.max_model_len} tokens (including at least one generated token)"
             )
         return ProcessedPrompt(text, token_ids, cache_salt)
+
+    def process_request(
+        self, prompt, params: SamplingParams | None
+    ) -> tuple[ProcessedPrompt, SamplingParams]:
+        """A request's prompt and params, checked (ValueError/TypeError); None params are the
+        defaults."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        processed = self.process_prompt(prompt)
+        self.check_fits(processed, params)
+        return processed, params
 
     def check_fits(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:
         """Prompt plus max_tokens must fit in the context."""

@@ -94,24 +94,16 @@ class LLM:
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         # Validate everything before queuing anything: one bad prompt must leave no work behind.
         processor = self.llm_engine.processor
-        processed = [processor.process_prompt(p) for p in prompts]
-        for prompt, params in zip(processed, params_per_prompt):
-            processor.check_fits(prompt, params)
+        processed = [
+            processor.process_request(prompt, params)[0]
+            for prompt, params in zip(prompts, params_per_prompt)
+        ]
 
         request_ids = [str(next(self._request_counter)) for _ in prompts]
         for request_id, prompt, params, prio in zip(
             request_ids, processed, params_per_prompt, priorities
         ):
-            self.llm_engine.add_request(
-                request_id,
-                {
-                    "prompt": prompt.text,
-                    "prompt_token_ids": prompt.token_ids,
-                    "cache_salt": prompt.cache_salt,
-                },
-                params,
-                priority=prio,
-            )
+            self.llm_engine.add_request(request_id, prompt.as_prompt(), params, priority=prio)
         return self._run_engine(request_ids, use_tqdm)
 
     def chat(

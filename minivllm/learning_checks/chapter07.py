@@ -47,8 +47,8 @@ class ThreadRanks:
             thread.start()
         for thread in threads:
             thread.join()
-        real_errors = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-        if real_errors or errors:
+        if errors:  # the rank that failed first, not the ones its abort released
+            real_errors = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
             raise (real_errors or errors)[0]
         return results
 
