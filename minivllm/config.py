@@ -176,7 +176,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
-SPECULATIVE_METHODS = ("ngram",)
+# ngram: copy from earlier in the sequence; draft_model: a smaller model with the same
+# vocabulary; layer_skip: the target's own first layers and LM head (self-speculation).
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
 
 
 @dataclass
@@ -187,6 +189,19 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 3  # draft tokens proposed per step
     prompt_lookup_min: int = 2  # n-gram: shortest suffix worth matching
     prompt_lookup_max: int = 4  # n-gram: longest suffix tried first
+    model: str | None = None  # draft_model: the draft's Hugging Face directory
+    num_draft_layers: int | None = None  # layer_skip: how many of the target's layers draft
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """A draft that runs a model, with K/V of its own (n-gram lookups have none)."""
+        return self.method != "ngram"
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Slots the scheduler reserves past a grant, where a draft model writes the K/V of
+        its guesses (vLLM's name)."""
+        return self.num_speculative_tokens if self.uses_draft_model else 0
 
     @classmethod
     def from_value(cls, value: dict | str) -> SpeculativeConfig:
@@ -215,7 +230,27 @@ class SpeculativeConfig:
             config.prompt_lookup_max,
             config.prompt_lookup_min,
         )
+        config._check_method_keys()
         return config
+
+    def _check_method_keys(self) -> None:
+        """`model` belongs to draft_model and `num_draft_layers` to layer_skip, each required
+        there and refused elsewhere (a key that would be silently ignored is a mistake)."""
+        if self.method == "draft_model":
+            if not isinstance(self.model, str) or not self.model:
+                reject("speculative_config.model", self.model, "the draft model's directory")
+        elif self.model is not None:
+            raise ValueError(
+                f"speculative_config.model is only used with method 'draft_model', "
+                f"not {self.method!r}"
+            )
+        if self.method == "layer_skip":
+            int_at_least("speculative_config.num_draft_layers", self.num_draft_layers, 1)
+        elif self.num_draft_layers is not None:
+            raise ValueError(
+                f"speculative_config.num_draft_layers is only used with method 'layer_skip', "
+                f"not {self.method!r}"
+            )
 
 
 def setting(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
@@ -271,7 +306,9 @@ class EngineConfig:
     speculative_config: dict | str | None = setting(
         None,
         'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", '
-        '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}',
+        '"num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
+        'or {"method": "draft_model", "model": DIR} or {"method": "layer_skip", '
+        '"num_draft_layers": 8}',
     )
 
     def __post_init__(self):
@@ -293,7 +330,12 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 reject(name, getattr(self, name), "a bool")
         if self.speculative_config is not None:
-            SpeculativeConfig.from_value(self.speculative_config)  # raises on a bad one
+            speculative = SpeculativeConfig.from_value(self.speculative_config)  # raises if bad
+            if speculative.uses_draft_model and self.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"speculative_config.method {speculative.method!r} needs "
+                    "tensor_parallel_size=1 (the draft model is not split across ranks)"
+                )
         for item in fields(self):
             choices, value = item.metadata["choices"], getattr(self, item.name)
             if choices is not None and isinstance(value, str) and value not in choices:

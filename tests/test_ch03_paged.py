@@ -337,7 +337,7 @@ def test_num_blocks_for_budget_is_the_most_blocks_that_fit(
     )
     element_size = torch.finfo(dtype).bits // 8
     bytes_per_block = block_size * 2 * num_layers * num_kv_heads * head_dim * element_size
-    num_blocks = PagedKVCache.num_blocks_for_budget(config, block_size, dtype, memory_bytes)
+    num_blocks = PagedKVCache.num_blocks_for_budget([config], block_size, dtype, memory_bytes)
     assert num_blocks * bytes_per_block <= memory_bytes < (num_blocks + 1) * bytes_per_block
     if num_blocks:
         cache = PagedKVCache(config, num_blocks, block_size, dtype, "cpu")

@@ -17,6 +17,7 @@ from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty, chat_prompt_ids
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.models.tiny import make_tiny_model
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.rejection_sampler import rejection_sample
 from minivllm.utils import cdiv
@@ -112,14 +113,15 @@ def test_greedy_rejection_keeps_the_argmax_and_adds_it_on_rejection():
 # --- the engine ---------------------------------------------------------------------------------
 
 
-class OracleProposer:
+class OracleProposer(NgramProposer):
     """A stand-in draft that knows each prompt's true greedy continuation (from a plain run)
     and gets every third token wrong: drafts are proposed at every step, some kept and some
     rolled back, whatever the model. (A tiny random model's output rarely repeats, so the
     n-gram proposer would propose nothing to verify.)"""
 
     def __init__(self, sequences: list[list[int]], k: int = 4):
-        self.sequences, self.k = sequences, k
+        super().__init__(k, prompt_lookup_min=1, prompt_lookup_max=1)
+        self.sequences = sequences
 
     def propose(self, token_ids: list[int]) -> list[int]:
         for full in self.sequences:
@@ -160,32 +162,77 @@ def run_checking_blocks(eng: LLMEngine, prompts, params) -> dict[str, list[int]]
     return [finished[str(i)] for i in range(len(prompts))]
 
 
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tmp_path_factory, embedded_dir):
+    """Another random tiny model with the same vocabulary: a draft that is almost always wrong."""
+    return make_tiny_model("llama", tmp_path_factory.mktemp("draft"), 1, embedded_dir)
+
+
+# Each proposer, and what its drafts must show for the test to prove anything.
+PROPOSERS = ("ngram (oracle)", "draft model (random)", "draft model (the target)", "layer skip")
+
+
+def speculative_engine(proposer: str, target, draft_dir, prompts, plain, **kwargs) -> LLMEngine:
+    if proposer == "ngram (oracle)":
+        return with_oracle(engine(target, speculative_config=NGRAM, **kwargs), prompts, plain)
+    config = {
+        "draft model (random)": {"method": "draft_model", "model": str(draft_dir)},
+        "draft model (the target)": {"method": "draft_model", "model": str(target)},
+        "layer skip": {"method": "layer_skip", "num_draft_layers": 1},
+    }[proposer]
+    return engine(target, speculative_config=config | {"num_speculative_tokens": 4}, **kwargs)
+
+
+def check_drafts_were_tested(proposer: str, stats) -> None:
+    assert stats.num_draft_tokens > 0, "no draft was ever proposed: the test proves nothing"
+    if proposer == "draft model (the target)":  # a draft that is the target is kept
+        assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+    else:  # some rolled back (and, for the oracle, some kept)
+        assert stats.num_accepted_tokens < stats.num_draft_tokens
+    if proposer == "ngram (oracle)":
+        assert stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("batch", [1, 8])
-def test_greedy_speculation_gives_the_tokens_of_plain_decoding(tiny_model_dirs, batch):
+def test_greedy_speculation_gives_the_tokens_of_plain_decoding(
+    tiny_model_dirs, tiny_draft_dir, batch, proposer
+):
     model = tiny_model_dirs[ENGINE_TEST_FAMILY]
     prompts = (COPY_PROMPTS * 2)[:batch]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = run_checking_blocks(engine(model), prompts, params)
-    speculative = with_oracle(engine(model, speculative_config=NGRAM), prompts, plain)
+    speculative = speculative_engine(proposer, model, tiny_draft_dir, prompts, plain)
     assert run_checking_blocks(speculative, prompts, params) == plain
-    stats = speculative.scheduler.spec_decode_stats
-    assert stats.num_draft_tokens > 0, "no draft was ever proposed: the test proves nothing"
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # some kept, some rolled back
+    check_drafts_were_tested(proposer, speculative.scheduler.spec_decode_stats)
 
 
-def test_greedy_speculation_survives_preemption_with_the_same_tokens(tiny_model_dirs):
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_greedy_speculation_survives_preemption_with_the_same_tokens(
+    tiny_model_dirs, tiny_draft_dir, proposer
+):
     """A pool of 14 blocks of 4 tokens for 8 requests: requests are preempted (their drafts
     dropped) and recomputed, and the tokens do not change."""
     model = tiny_model_dirs[ENGINE_TEST_FAMILY]
     prompts = COPY_PROMPTS * 2
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    budget = 14 * 4 * 512  # 14 blocks of 4 tokens; the tiny model's K/V take 512 bytes a token
+    # 14 blocks of 4 tokens: the tiny model's K/V take 512 bytes a token, and a draft model's
+    # pool takes as many blocks again (its own bytes per token).
+    draft_bytes = {"draft model (random)": 512, "draft model (the target)": 512, "layer skip": 256}
+    budget = 14 * 4 * (512 + draft_bytes.get(proposer, 0))
     plain_engine = engine(model, kv_cache_memory_bytes=budget, max_num_seqs=8)
     plain = run_checking_blocks(plain_engine, prompts, params)
-    speculative = engine(
-        model, kv_cache_memory_bytes=budget, max_num_seqs=8, speculative_config=NGRAM
+    speculative = speculative_engine(
+        proposer,
+        model,
+        tiny_draft_dir,
+        prompts,
+        plain,
+        kv_cache_memory_bytes=budget,
+        max_num_seqs=8,
     )
-    assert run_checking_blocks(with_oracle(speculative, prompts, plain), prompts, params) == plain
+    assert speculative.kv_cache_manager.num_blocks == 14
+    assert run_checking_blocks(speculative, prompts, params) == plain
     assert speculative.scheduler.num_preemptions > 0
     assert speculative.scheduler.spec_decode_stats.num_draft_tokens > 0
 
@@ -255,6 +302,63 @@ def test_aborting_mid_speculation_frees_every_block(tiny_model_dirs):
     assert_pool_is_empty(eng)
 
 
+def test_aborting_mid_draft_model_speculation_frees_every_block(tiny_model_dirs, tiny_draft_dir):
+    draft = {"method": "draft_model", "model": str(tiny_draft_dir)}
+    eng = engine(tiny_model_dirs[ENGINE_TEST_FAMILY], speculative_config=draft)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    for i, prompt in enumerate(COPY_PROMPTS):
+        eng.add_request(str(i), prompt, params)
+    while eng.scheduler.spec_decode_stats.num_drafts < 6:
+        eng.step()
+    eng.abort_request(["0", "2"])  # two now, the others at the end of their next step
+    eng.step()
+    eng.abort_request(["1", "3"])
+    eng.step()
+    assert_pool_is_empty(eng)
+
+
+def test_a_sampled_draft_is_verified_against_the_distribution_it_was_drawn_from(tiny_model_dirs):
+    """The target as its own draft, sampling at temperature 1: q equals p (up to rounding), so
+    min(1, p/q) keeps nearly every draft. Verifying as if the draft were certain (q one-hot, the
+    n-gram case) would keep a draft with probability p(x) only, a few percent on a random
+    model's flat distribution. Seeded runs repeat themselves in any batch order."""
+    model = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    itself = {"method": "draft_model", "model": str(model), "num_speculative_tokens": 3}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=16) for s in range(4)]
+    runs = []
+    for order in (slice(None), slice(None, None, -1)):
+        llm = LLM(model, speculative_config=itself)
+        outputs = token_ids(llm.generate(COPY_PROMPTS[order], params[order], use_tqdm=False))
+        runs.append(outputs[order])
+        seen = metrics(llm)
+        assert seen["vllm:spec_decode_num_draft_tokens"] > 0
+        assert seen["minivllm:spec_decode_acceptance_rate"] > 0.8
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("speculative", [NGRAM, {"method": "layer_skip", "num_draft_layers": 1}])
+def test_speculation_reports_the_logprobs_of_plain_decoding(tiny_model_dirs, speculative):
+    """Each emitted token's logprobs come from the target's row that scored it, as they would
+    have without drafts."""
+    model = tiny_model_dirs["llama"]  # repeats itself: n-gram drafts get accepted
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+    plain = LLM(model).generate(COPY_PROMPTS, params, use_tqdm=False)
+    llm = LLM(model, speculative_config=speculative)
+    got = llm.generate(COPY_PROMPTS, params, use_tqdm=False)
+    assert metrics(llm)["vllm:spec_decode_num_draft_tokens"] > 0
+    for ours, theirs in zip(got, plain):
+        ours, theirs = ours.outputs[0], theirs.outputs[0]
+        assert ours.token_ids == theirs.token_ids
+        for mine, reference in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert mine.keys() == reference.keys()
+            for token_id in mine:
+                assert mine[token_id].logprob == pytest.approx(
+                    reference[token_id].logprob, abs=1e-4
+                )
+                assert mine[token_id].rank == reference[token_id].rank
+        assert ours.cumulative_logprob == pytest.approx(theirs.cumulative_logprob, abs=1e-3)
+
+
 def test_embedded_model_with_speculation_gives_transformers_greedy_tokens(
     tokenizer, transformers_greedy
 ):
@@ -276,9 +380,28 @@ def test_bad_speculative_configs_are_clear_errors():
         ({"draft": 1}, "unknown speculative_config key"),
         ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max"),
         ("{not json", "not valid JSON"),
+        ({"method": "draft_model"}, "speculative_config.model"),
+        ({"method": "ngram", "model": "x"}, "only used with method 'draft_model'"),
+        ({"method": "layer_skip"}, "num_draft_layers"),
+        ({"method": "layer_skip", "num_draft_layers": 0}, "num_draft_layers"),
+        ({"num_draft_layers": 2}, "only used with method 'layer_skip'"),
     ):
         with pytest.raises(ValueError, match=message):
             EngineConfig(speculative_config=bad)
+
+
+def test_bad_draft_models_are_clear_errors(tiny_model_dirs, tmp_path, embedded_dir):
+    model = tiny_model_dirs[ENGINE_TEST_FAMILY]  # two layers
+    with pytest.raises(ValueError, match="num_draft_layers must be below the target's 2 layers"):
+        LLM(model, speculative_config={"method": "layer_skip", "num_draft_layers": 2})
+    small_vocab = make_tiny_model("llama", tmp_path / "small_vocab", 0)  # 512 tokens
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens"):
+        LLM(model, speculative_config={"method": "draft_model", "model": str(small_vocab)})
+    with pytest.raises(ValueError, match="tensor_parallel_size=1"):
+        EngineConfig(
+            tensor_parallel_size=2,
+            speculative_config={"method": "draft_model", "model": str(model)},
+        )
 
 
 def test_rejection_sampler_check_passes_on_minivllm_and_fails_on_a_typical_mistake():

@@ -54,10 +54,13 @@ class PagedKVCache:
 
     @staticmethod
     def num_blocks_for_budget(
-        config: ModelConfig, block_size: int, dtype: torch.dtype, memory_bytes: int
+        configs: list[ModelConfig], block_size: int, dtype: torch.dtype, memory_bytes: int
     ) -> int:
-        """How many blocks a memory budget holds."""
-        return memory_bytes // (block_size * config.kv_bytes_per_token(dtype))
+        """How many blocks a memory budget holds, for pools that share block tables: the
+        model's, and in chapter 08 a draft model's (a block then holds its tokens' K/V in
+        both)."""
+        bytes_per_token = sum(config.kv_bytes_per_token(dtype) for config in configs)
+        return memory_bytes // (block_size * bytes_per_token)
 
 
 def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:

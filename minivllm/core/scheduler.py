@@ -42,6 +42,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     policy: str = "fcfs"  # "fcfs": first come first served; "priority": lowest priority first
     enable_chunked_prefill: bool = True
+    # Chapter 08: slots reserved past a grant that reaches the end of a request's tokens, where
+    # a draft model writes the K/V of its guesses (k with a draft model, 0 otherwise).
+    num_lookahead_tokens: int = 0
 
 
 @dataclass
@@ -116,7 +119,8 @@ class Scheduler:
                 max(0, request.num_computed_tokens + num_new - request.num_tokens) :
             ]
             total = request.num_computed_tokens + num_new
-            while not self.kv_cache_manager.allocate_slots(request.request_id, total):
+            reserved = self._with_lookahead(request, total)
+            while not self.kv_cache_manager.allocate_slots(request.request_id, reserved):
                 victim = self._pick_victim()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -142,8 +146,10 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            total = num_cached + num_new
-            if not self.kv_cache_manager.allocate_slots(request.request_id, total, cached_blocks):
+            reserved = self._with_lookahead(request, num_cached + num_new)
+            if not self.kv_cache_manager.allocate_slots(
+                request.request_id, reserved, cached_blocks
+            ):
                 break
             request.num_computed_tokens = num_cached
             if self.kv_cache_manager.prefix_cache is not None:  # chapter 05 hook: count
@@ -161,6 +167,14 @@ class Scheduler:
         output = self._make_output(granted, preempted)
         self.check_invariants(output, num_admitted=len(admitted))
         return output
+
+    def _with_lookahead(self, request: Request, total: int) -> int:
+        """Chapter 08: the slots to hold for a grant up to `total` tokens. A grant that reaches
+        the end of the known tokens is followed by a proposal, so it gets the lookahead slots
+        too (within the context)."""
+        if not self.config.num_lookahead_tokens or total < request.num_tokens:
+            return total
+        return min(total + self.config.num_lookahead_tokens, request.max_model_len)
 
     def _make_output(self, granted: dict[str, int], preempted: list[Request]) -> SchedulerOutput:
         """The step as plain data: new requests whole, the others as what changed."""
@@ -262,7 +276,8 @@ class Scheduler:
             updated.append(request)
             if request.is_finished:
                 self._retire(request)
-            elif drafts:
+            elif drafts or self.config.num_lookahead_tokens:
+                # Chapter 08: rejected drafts' and lookahead slots' blocks go back.
                 self.kv_cache_manager.free_tail(req_id, request.num_computed_tokens)
                 view = self._runner_views[req_id]  # the runner must drop them too
                 view.num_block_ids = min(

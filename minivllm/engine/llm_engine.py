@@ -79,6 +79,9 @@ class LLMEngine:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 policy=config.scheduling_policy,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                num_lookahead_tokens=(
+                    0 if config.speculative is None else config.speculative.num_lookahead_tokens
+                ),
             ),
             self.kv_cache_manager,
         )

@@ -213,10 +213,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
-    def forward(self, input_ids, positions, attention: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, input_ids, positions, attention: AttentionBackend, num_layers: int | None = None
+    ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
+        for layer in self.layers[:num_layers]:
             hidden = layer(hidden, cos, sin, attention)
         return self.norm(hidden)
 
@@ -239,10 +241,16 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attention: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: AttentionBackend,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden_size] of a flat batch of tokens."""
-        return self.model(input_ids, positions, attention)
+        """Hidden states [num_tokens, hidden_size] of a flat batch of tokens. `num_layers`
+        stops after the first layers (chapter 08's layer-skip draft: the final norm and the LM
+        head then read an early layer's output); None runs them all."""
+        return self.model(input_ids, positions, attention, num_layers)
 
     @property
     def logits_layer(self) -> VocabParallelEmbedding:

@@ -186,6 +186,14 @@ class Sampler:
             )
         return probs
 
+    def logprobs(
+        self, logits: torch.Tensor, token_ids: list[int], rows: list[SamplingRow]
+    ) -> list[TokenLogprobs | None]:
+        """The logprobs `__call__` would report had it sampled `token_ids` (chapter 08: tokens
+        the rejection sampler emitted)."""
+        token_ids = torch.tensor(token_ids, device=logits.device)
+        return _collect_logprobs(self._adjusted_logits(logits, rows), token_ids, rows)
+
     def _adjusted_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Penalties and the min_tokens ban, in float32: what logprobs report."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):

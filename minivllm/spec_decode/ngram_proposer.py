@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from minivllm.spec_decode.proposal import Proposal, ProposalRequest
+
 
 class NgramProposer:
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int):
         self.k = num_speculative_tokens
         self.min_n = prompt_lookup_min
         self.max_n = prompt_lookup_max
+
+    def propose_batch(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        return [Proposal(self.propose(request.token_ids)) for request in requests]
 
     def propose(self, token_ids: list[int]) -> list[int]:
         """Up to k draft tokens to follow `token_ids` (prompt + output), [] when nothing matches."""

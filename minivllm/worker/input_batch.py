@@ -38,6 +38,10 @@ class CachedRequestState(SequenceTokens):
     # A seeded request owns its generator, so its samples do not depend on what else is in
     # the batch; it lives as long as the request, across preemptions.
     generator: torch.Generator | None
+    # Chapter 08: leading tokens whose K/V a draft model holds, and the distributions its last
+    # drafts were drawn from (None: certain drafts).
+    num_draft_cached: int = 0
+    draft_probs: torch.Tensor | None = None
 
 
 @dataclass

@@ -19,7 +19,9 @@ from minivllm.models.llama import LlamaForCausalLM
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sample.sampler import Sampler
 from minivllm.sequence import own_generator
+from minivllm.spec_decode.draft_model_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
+from minivllm.spec_decode.proposal import ProposalRequest
 from minivllm.spec_decode.rejection_sampler import rejection_sample
 from minivllm.worker.input_batch import CachedRequestState, prepare_inputs
 
@@ -31,7 +33,7 @@ class ModelRunner:
         kv_cache: PagedKVCache,
         attention_backend: type[PagedAttentionBackend],
         sampler: Sampler,
-        proposer: NgramProposer | None = None,
+        proposer: NgramProposer | DraftModelProposer | None = None,
     ):
         self.model = model
         self.kv_cache = kv_cache
@@ -86,17 +88,20 @@ class ModelRunner:
         for req_id, rows in batch.spec_rows.items():
             drafts = scheduler_output.scheduled_spec_decode_tokens[req_id]
             request_logits = logits[offset : offset + len(rows)]
-            output.sampled_token_ids[req_id] = self.verify(req_id, drafts, request_logits)
-            output.logprobs[req_id] = None
+            tokens, logprobs = self.verify(req_id, drafts, request_logits)
+            output.sampled_token_ids[req_id], output.logprobs[req_id] = tokens, logprobs
             offset += len(rows)
         if self.proposer is not None:
             output.spec_token_ids = self.propose(output.sampled_token_ids)
         return output
 
-    def verify(self, req_id: str, drafts: list[int], logits: torch.Tensor) -> list[int]:
-        """Chapter 08: the tokens a request emits from its drafts. Row i is scored as if drafts
-        0..i-1 had been sampled (penalties and min_tokens see them), then the rejection sampler
-        keeps drafts while the target agrees and adds one token of its own."""
+    def verify(
+        self, req_id: str, drafts: list[int], logits: torch.Tensor
+    ) -> tuple[list[int], list | None]:
+        """Chapter 08: the tokens a request emits from its drafts, and their logprobs if it
+        asked. Row i is scored as if drafts 0..i-1 had been sampled (penalties and min_tokens
+        see them), then the rejection sampler keeps drafts while the target agrees and adds one
+        token of its own. Emitted token i came from row i, as it would have without drafts."""
         state = self.requests[req_id]
         rows = []
         for i in range(len(drafts) + 1):
@@ -104,18 +109,36 @@ class ModelRunner:
             row.output_token_ids = state.output_token_ids + drafts[:i]
             rows.append(row)
         target_probs = self.sampler.probabilities(logits, rows)
+        draft_probs = None if state.draft_probs is None else state.draft_probs[: len(drafts)]
         generator = state.generator or self.sampler.default_generator
-        return rejection_sample(target_probs, drafts, None, generator)
+        tokens = rejection_sample(target_probs, drafts, draft_probs, generator)
+        if state.params.logprobs is None:
+            return tokens, None
+        emitted = slice(0, len(tokens))
+        return tokens, self.sampler.logprobs(logits[emitted], tokens, rows[emitted])
 
     def propose(self, sampled_token_ids: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Chapter 08: drafts for the next step of every request that just got tokens (not for
-        requests that want logprobs: a verified draft has no sampled logprobs of its own)."""
-        drafts = {}
+        """Chapter 08: drafts for the next step of every request that just got tokens."""
+        requests = []
         for req_id, new_tokens in sampled_token_ids.items():
             state = self.requests[req_id]
-            if state.params.logprobs is None:
-                tokens = state.prompt_token_ids + state.output_token_ids + new_tokens
-                drafts[req_id] = self.proposer.propose(tokens)
+            row = state.sampling_row()
+            row.output_token_ids = state.output_token_ids + new_tokens
+            requests.append(
+                ProposalRequest(
+                    req_id=req_id,
+                    token_ids=state.prompt_token_ids + row.output_token_ids,
+                    block_ids=state.block_ids,
+                    num_draft_cached=state.num_draft_cached,
+                    row=row,
+                )
+            )
+        drafts = {}
+        for request, proposal in zip(requests, self.proposer.propose_batch(requests)):
+            state = self.requests[request.req_id]
+            state.num_draft_cached = len(request.token_ids)
+            state.draft_probs = proposal.probs
+            drafts[request.req_id] = proposal.token_ids
         return drafts
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -138,3 +161,9 @@ class ModelRunner:
             state.output_token_ids += cached.new_token_ids
             state.block_ids = state.block_ids[: cached.num_kept_block_ids] + cached.new_block_ids
             state.num_computed_tokens = cached.num_computed_tokens
+            # Chapter 08: a draft model's K/V are only as safe as the blocks they sit in. A
+            # step keeps the blocks of the computed tokens (the last token's slot may have gone
+            # back with the lookahead slots), and a preemption takes them all.
+            state.num_draft_cached = min(state.num_draft_cached, state.num_computed_tokens)
+            if cached.resumed_from_preemption:
+                state.num_draft_cached = 0

@@ -14,6 +14,7 @@ after a forward pass of the largest batch.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,14 +29,17 @@ from minivllm.attention.backend import (
 from minivllm.config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     EngineConfig,
+    ModelConfig,
     resolve_device,
     resolve_dtype,
 )
 from minivllm.core.scheduler_output import SchedulerOutput
 from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
-from minivllm.models.loader import load_model
+from minivllm.models.llama import LlamaForCausalLM
+from minivllm.models.loader import load_model, resolve_model_path
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.sample.sampler import Sampler, make_generator
+from minivllm.spec_decode.draft_model_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.utils import cdiv
 from minivllm.worker.cpu_allocator import keep_freed_memory_in_process
@@ -61,7 +65,32 @@ class Worker:
         self.model = load_model(model_path, self.dtype, self.device, tp)
         # This rank's KV pool holds its own KV heads only.
         self.rank_model_config = self.model.config.per_rank(tp.size)
+        # Chapter 08: a draft model and the shapes of its own KV pool, or None.
+        self.draft_model, self.draft_config = self._load_draft_model()
         self.model_runner: ModelRunner | None = None  # built once the pool's size is known
+
+    def _load_draft_model(self) -> tuple[LlamaForCausalLM | None, ModelConfig | None]:
+        """Chapter 08: the draft of `draft_model` (its own weights) or of `layer_skip` (the
+        target itself, of which the draft runs the first layers); None for n-gram drafts."""
+        speculative = self.config.speculative
+        if speculative is None or not speculative.uses_draft_model:
+            return None, None
+        target = self.model.config
+        if speculative.method == "layer_skip":
+            if speculative.num_draft_layers >= target.num_layers:
+                raise ValueError(
+                    f"speculative_config.num_draft_layers must be below the target's "
+                    f"{target.num_layers} layers, got {speculative.num_draft_layers}"
+                )
+            return self.model, replace(target, num_layers=speculative.num_draft_layers)
+        draft = load_model(resolve_model_path(speculative.model), self.dtype, self.device)
+        if draft.config.vocab_size != target.vocab_size:
+            raise ValueError(
+                f"the draft model {speculative.model} has a vocabulary of "
+                f"{draft.config.vocab_size} tokens, the target {target.vocab_size}: a draft "
+                "must share the target's tokenizer"
+            )
+        return draft, draft.config
 
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the KV budget: kv_cache_memory_bytes, or on CUDA what is left of
@@ -72,11 +101,14 @@ class Worker:
             budget = self._profile_free_gpu_memory()
         if budget is None:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
+        pools = [model_config] + ([self.draft_config] if self.draft_config else [])
         num_blocks = PagedKVCache.num_blocks_for_budget(
-            model_config, config.block_size, self.dtype, budget
+            pools, config.block_size, self.dtype, budget
         )
         if num_blocks < 1:
-            bytes_per_block = config.block_size * model_config.kv_bytes_per_token(self.dtype)
+            bytes_per_block = config.block_size * sum(
+                pool.kv_bytes_per_token(self.dtype) for pool in pools
+            )
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} holds no KV block; one block of "
                 f"{config.block_size} tokens needs {bytes_per_block} bytes"
@@ -89,20 +121,38 @@ class Worker:
             self.rank_model_config, num_blocks, self.config.block_size, self.dtype, self.device
         )
         sampler = Sampler(default_generator=make_generator(self.config.seed, self.device))
-        speculative = self.config.speculative  # chapter 08
-        proposer = None
-        if speculative is not None:
-            proposer = NgramProposer(
-                speculative.num_speculative_tokens,
-                speculative.prompt_lookup_min,
-                speculative.prompt_lookup_max,
-            )
+        proposer = self._make_proposer(num_blocks, sampler)
         self.model_runner = ModelRunner(
             self.model, kv_cache, self.attention_backend, sampler, proposer
         )
         max_num_tokens = min(self.config.max_num_batched_tokens, self.model.config.max_model_len)
         self.attention_backend.warm_up(
             kv_cache, self.rank_model_config.num_heads, self.config.max_num_seqs, max_num_tokens
+        )
+
+    def _make_proposer(
+        self, num_blocks: int, sampler: Sampler
+    ) -> NgramProposer | DraftModelProposer | None:
+        """Chapter 08: what guesses the drafts, and (for a draft model) its own KV pool."""
+        speculative = self.config.speculative
+        if speculative is None:
+            return None
+        if not speculative.uses_draft_model:
+            return NgramProposer(
+                speculative.num_speculative_tokens,
+                speculative.prompt_lookup_min,
+                speculative.prompt_lookup_max,
+            )
+        draft_cache = PagedKVCache(
+            self.draft_config, num_blocks, self.config.block_size, self.dtype, self.device
+        )
+        return DraftModelProposer(
+            self.draft_model,
+            draft_cache,
+            self.attention_backend,
+            sampler,
+            speculative.num_speculative_tokens,
+            speculative.num_draft_layers,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
