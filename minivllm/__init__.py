@@ -5,11 +5,12 @@ from minivllm import LLM, SamplingParams
 
 from minivllm.entrypoints.llm import LLM
 from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from minivllm.sample.sampling_params import SamplingParams
+from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "CompletionOutput",
     "RequestMetrics",

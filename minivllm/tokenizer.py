@@ -220,20 +220,24 @@ class IncrementalDetokenizer:
         """How many trailing characters to hold back because a stop string may start there.
 
         Only the text before a stop string survives the cut, so a client shown "ST" when the
-        stop string is "STOP" would see text that is later taken back. We hold back the
-        longest tail of the text that is a proper prefix of some stop string: at most
-        (longest stop string - 1) characters, and usually none. When the stop string is kept
-        in the output, the cut comes after it and nothing already shown is ever removed.
+        stop string is "STOP" would see text that is later taken back. When the stop string is
+        kept in the output, the cut comes after it and nothing already shown is ever removed.
         """
         if self.include_stop_str_in_output:
             return 0
-        longest = 0
-        for stop in self.stop:
-            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        return possible_stop_prefix_len(self._text, self.stop)
+
+
+def possible_stop_prefix_len(text: str, stop: list[str]) -> int:
+    """The length of the longest tail of `text` that is a proper prefix of some stop string:
+    at most (longest stop string - 1) characters, and usually none."""
+    longest = 0
+    for candidate in stop:
+        for length in range(min(len(candidate) - 1, len(text)), longest, -1):
+            if text.endswith(candidate[:length]):
+                longest = length
+                break
+    return longest
 
 
 def find_stop_string(text: str, stop: list[str], checked_len: int) -> StopMatch | None:

@@ -247,7 +247,7 @@ LAYERS = [
         "minivllm.tokenizer",
         "minivllm.sequence",
     ],
-    ["minivllm.attention", "minivllm.spec_decode"],
+    ["minivllm.attention", "minivllm.spec_decode", "minivllm.structured_output"],
     ["minivllm.baselines", "minivllm.core"],
     ["minivllm.worker"],
     ["minivllm.executor"],

@@ -3,7 +3,7 @@
 A `Request` is one sequence: its prompt ids, the tokens generated so far, its sampling
 parameters, its own random generator (when seeded) and its incremental detokenizer. The
 engine appends one token at a time and asks `check_stop` whether the sequence is done; the
-rules (EOS, stop token ids, stop strings, max_tokens, the model's context) are the same
+rules (EOS, stop token ids, stop strings, a completed grammar, max_tokens, the model's context) are the same
 whichever engine produced the token, so they live here once.
 """
 
@@ -19,6 +19,7 @@ from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics
 from minivllm.sample.sampler import TokenLogprobs
 from minivllm.sample.sampling_params import SamplingParams
 from minivllm.sequence import SequenceTokens, own_generator
+from minivllm.structured_output.manager import RequestGrammar
 from minivllm.tokenizer import IncrementalDetokenizer
 
 
@@ -59,6 +60,8 @@ class Request(SequenceTokens):
     # Speculative decoding (chapter 08): draft tokens proposed after the last step, to be
     # verified by the next one (not part of the output until accepted).
     spec_token_ids: list[int] = field(default_factory=list)
+    # Structured outputs (chapter 10): the sequence's place in its grammar, or None.
+    grammar: RequestGrammar | None = None
 
     @classmethod
     def create(
@@ -121,6 +124,8 @@ class Request(SequenceTokens):
         self.metrics.num_generation_tokens += 1
         if token_logprobs is not None:
             self._record_logprobs(token_logprobs)
+        if self.grammar is not None:  # chapter 10
+            self.grammar.accept(token_id)
         self._check_stop(token_id)
         if self.is_finished:
             self.metrics.finished_time = now
@@ -156,6 +161,8 @@ class Request(SequenceTokens):
         matched_stop_string = self.detokenizer.append_token(token_id)
         if matched_stop_string is not None:
             self.finish_reason, self.stop_reason = "stop", matched_stop_string
+        elif self.grammar is not None and self.grammar.is_terminated:  # chapter 10: complete
+            self.finish_reason = "stop"
         elif len(self.output_token_ids) >= self.max_tokens:
             self.finish_reason = "length"
 

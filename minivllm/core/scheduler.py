@@ -140,6 +140,8 @@ class Scheduler:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self._next_waiting()
+            if request is None:  # chapter 10: the rest wait for their grammar's compile
+                break
             cached_blocks = self.kv_cache_manager.find_cached_blocks(request)  # chapter 05 hook
             num_cached = len(cached_blocks) * self.kv_cache_manager.block_size  # 0 without it
             num_new = request.num_tokens - num_cached
@@ -189,6 +191,11 @@ class Scheduler:
             request = by_id[req_id]
             if request.spec_token_ids:  # chapter 08 hook
                 output.scheduled_spec_decode_tokens[req_id] = list(request.spec_token_ids)
+            samples = request.num_computed_tokens + granted[req_id] >= request.num_tokens
+            if request.grammar is not None and samples:  # chapter 10 hook
+                output.grammar_bitmasks[req_id] = request.grammar.token_bitmasks(
+                    request.spec_token_ids
+                )
             table = self.kv_cache_manager.block_tables[req_id]
             view = self._runner_views.get(req_id)
             if view is None:
@@ -293,12 +300,16 @@ class Scheduler:
     def _draft_room(request: Request, drafts: list[int]) -> list[int]:
         """Chapter 08: the drafts the request can still use. A step emits the accepted drafts
         plus one token, so at most max_tokens - output - 1 drafts (never more tokens than
-        asked) and none past the context."""
+        asked) and none past the context; with a grammar (chapter 10), none past the first
+        draft it forbids."""
         room = min(
             request.max_tokens - len(request.output_token_ids),
             request.max_model_len - request.num_tokens,
         )
-        return drafts[: max(0, room - 1)]
+        drafts = drafts[: max(0, room - 1)]
+        if request.grammar is not None and drafts:
+            drafts = request.grammar.valid_drafts(drafts)
+        return drafts
 
     def abort_request(self, request: Request) -> None:
         """Remove a request wherever it is and give back its blocks."""
@@ -339,7 +350,12 @@ class Scheduler:
             self._runner_views[request.request_id].preempted = True
         self.waiting.appendleft(request)
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self) -> Request | None:
+        """The next waiting request to admit, None if none can start yet (chapter 10: a
+        request whose grammar is still compiling waits, without holding up the others)."""
+        ready = [r for r in self.waiting if r.grammar is None or r.grammar.is_ready]
+        if not ready:
+            return None
         if self.config.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, self._arrival_order[r.request_id]))
-        return self.waiting[0]
+            return min(ready, key=lambda r: (r.priority, self._arrival_order[r.request_id]))
+        return ready[0]

@@ -19,6 +19,7 @@ a cached request with `resumed_from_preemption` and a whole new block table.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from minivllm.sample.sampling_params import SamplingParams
 
@@ -62,6 +63,10 @@ class SchedulerOutput:
     # Chapter 08: request id -> the draft tokens this step verifies (its grant covers them,
     # after its last known token).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Chapter 10: request id -> the tokens its grammar allows at each row it samples this step
+    # (a torch int32 bitmask [1 + drafts, ceil(vocab / 32)], built by the request's grammar:
+    # the scheduler itself never touches torch), for requests with structured outputs.
+    grammar_bitmasks: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -90,6 +90,7 @@ class LLMEngine:
         self.requests: dict[str, list[Request]] = {}  # request id -> its n sequences
         self.num_prompt_tokens = 0
         self.last_step_prefix_cache = (0, 0)  # (queries, hits) of the last step
+        self.structured_output_manager = None  # chapter 10: built by the first grammar
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -115,6 +116,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         processed, params = self.processor.process_request(prompt, params)
+        grammars = self._grammars(params)  # chapter 10: raises for a spec that does not parse
         sequences = []
         for index in range(params.n):
             # "id#index" names each sequence uniquely: the part after the last "#" is an int,
@@ -132,10 +134,25 @@ class LLMEngine:
             sequence.parent_request_id = request_id
             sequence.priority = priority
             sequence.cache_salt = processed.cache_salt
+            sequence.grammar = grammars[index]
             sequences.append(sequence)
         self.requests[request_id] = sequences
         for sequence in sequences:
             self.scheduler.add_request(sequence)
+
+    def _grammars(self, params: SamplingParams) -> list:
+        """Chapter 10: one grammar state per sequence of the request (None without structured
+        outputs). The manager, and xgrammar, are loaded on first use."""
+        if params.structured_outputs is None:
+            return [None] * params.n
+        if self.structured_output_manager is None:
+            from minivllm.structured_output.manager import StructuredOutputManager
+
+            self.structured_output_manager = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size
+            )
+        manager = self.structured_output_manager
+        return [manager.grammar_for(params.structured_outputs) for _ in range(params.n)]
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests wherever they are (waiting, mid-prefill, decoding); frees their blocks."""

@@ -1,4 +1,5 @@
-"""The command line: `minivllm generate | chat | bench | tour` (also `python -m minivllm`).
+"""The command line: `minivllm generate | chat | serve | bench | bench serve | tour` (also
+`python -m minivllm`).
 
 The engine flags are derived from `EngineConfig` (config.py), in vLLM's spelling
 (`--max-num-seqs`, `--no-enable-prefix-caching`, ...), so a vLLM user feels at home.
@@ -115,6 +116,45 @@ def cmd_bench(args) -> None:
         write_json(args.json, workload, results, dtype=str(dtype))
 
 
+def cmd_serve(args) -> None:
+    from minivllm.entrypoints.openai.api_server import ServerSettings, run_server
+
+    settings = ServerSettings(
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_request_bytes=args.max_request_bytes,
+        max_waiting_requests=args.max_waiting_requests,
+    )
+    run_server(EngineConfig.from_kwargs(**engine_settings(args)), settings)
+
+
+def cmd_bench_serve(args) -> None:
+    import json
+
+    from minivllm.bench.serve import bench_serve, format_results
+    from minivllm.bench.workloads import throughput_workload
+    from minivllm.models.loader import load_tokenizer, resolve_model_path
+
+    tokenizer = load_tokenizer(resolve_model_path(args.model))
+    workload = throughput_workload(tokenizer, args.num_prompts, output_length=args.max_tokens)
+    print(f"workload: {workload.description}; server: {args.base_url}")
+    results = bench_serve(
+        args.base_url,
+        workload.prompts,
+        args.request_rate,
+        max_tokens=args.max_tokens,
+        max_seconds=args.max_seconds,
+        model=args.served_model_name,
+        api_key=args.api_key,
+    )
+    print(format_results(results))
+    if args.json:
+        with open(args.json, "w") as file:
+            json.dump([result.as_dict() for result in results], file, indent=2)
+
+
 def cmd_tour(args) -> None:
     from minivllm.bench.tour import run_tour
 
@@ -136,6 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    serve.add_argument("--host", default="127.0.0.1", help="0.0.0.0 to accept remote clients")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: its dir)"
+    )
+    serve.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    serve.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=1024,
+        help="requests that may wait for their first token; more are refused with 503",
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = commands.add_parser("bench", help="compare generation methods side by side")
     add_engine_args(bench)
@@ -162,6 +219,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-size", type=int, default=16, help="rows per static batch")
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(func=cmd_bench)
+    bench_commands = bench.add_subparsers(dest="bench_command", required=False)
+    bench_serve = bench_commands.add_parser(
+        "serve", help="latency and throughput of a running server under Poisson arrivals"
+    )
+    bench_serve.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bench_serve.add_argument(
+        "--request-rate", type=float, nargs="+", default=[1.0, 4.0], help="requests/s (inf: all)"
+    )
+    bench_serve.add_argument("--num-prompts", type=int, default=64)
+    bench_serve.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
+    bench_serve.add_argument("--max-seconds", type=float, default=60.0, help="per request rate")
+    bench_serve.add_argument(
+        "--model", default=None, help="the model directory whose tokenizer builds the prompts"
+    )
+    bench_serve.add_argument("--served-model-name", default=None)
+    bench_serve.add_argument("--api-key", default=None)
+    bench_serve.add_argument("--json", default=None, help="also write the results here")
+    bench_serve.set_defaults(func=cmd_bench_serve)
 
     tour = commands.add_parser("tour", help="a chat answer, then each chapter's speedup")
     tour.add_argument("--quick", action="store_true", help="a smaller workload")

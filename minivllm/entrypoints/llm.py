@@ -19,7 +19,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from minivllm.config import EngineConfig
-from minivllm.engine.llm_engine import LLMEngine, Metric
+from minivllm.engine import make_engine
+from minivllm.engine.llm_engine import Metric
 from minivllm.engine.processor import broadcast_params
 from minivllm.outputs import RequestOutput
 from minivllm.sample.sampling_params import SamplingParams
@@ -45,12 +46,7 @@ class LLM:
         config = EngineConfig.from_kwargs(
             model=None if model is None else str(model), **engine_settings
         )
-        if config.data_parallel_size > 1:
-            from minivllm.engine.data_parallel import DataParallelEngine
-
-            self.llm_engine = DataParallelEngine.from_config(config)
-        else:
-            self.llm_engine = LLMEngine.from_config(config)
+        self.llm_engine = make_engine(config)
         self._request_counter = itertools.count()
 
     @property

@@ -7,6 +7,7 @@ rule, so a bad request fails before it reaches the engine.
 
 from __future__ import annotations
 
+import json as json_module
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -15,6 +16,54 @@ from minivllm.utils import as_int, float_in, int_at_least, reject, string_list, 
 # Temperatures below this are treated as greedy, as in vLLM: dividing by a tiny temperature
 # would overflow the logits, and the resulting distribution is argmax anyway.
 GREEDY_TEMPERATURE_THRESHOLD = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Chapter 10: the form the output must take, vLLM's names; set exactly one field.
+
+    json: a JSON schema (dict or string); json_object: any JSON object; regex: a regular
+    expression the whole output matches; choice: one of these strings; grammar: an EBNF grammar
+    (GBNF style, `root ::= ...`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name, value in self._fields() if value not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object; got {given or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            reject("structured_outputs.json", self.json, "a JSON schema (dict or string)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                reject(f"structured_outputs.{name}", value, "a non-empty string")
+        if self.choice is not None:
+            self.choice = string_list("structured_outputs.choice", self.choice)
+            if not self.choice:
+                reject("structured_outputs.choice", self.choice, "a list of non-empty strings")
+        if self.json_object not in (None, True, False):
+            reject("structured_outputs.json_object", self.json_object, "a bool")
+
+    def _fields(self) -> list[tuple[str, Any]]:
+        names = ("json", "regex", "choice", "grammar", "json_object")
+        return [(name, getattr(self, name)) for name in names]
+
+    def kind(self) -> tuple[str, Any]:
+        """The one field that is set, and its value."""
+        return next((name, value) for name, value in self._fields() if value not in (None, False))
+
+    def key(self) -> str:
+        """A string naming the spec, equal for equal specs (a compiled grammar is reused)."""
+        kind, value = self.kind()
+        return kind + ":" + json_module.dumps(value, sort_keys=True)
 
 
 @dataclass
@@ -38,7 +87,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    structured_outputs: Any = None  # placeholder for the structured-output chapter
+    structured_outputs: StructuredOutputsParams | None = None  # chapter 10
 
     def __post_init__(self) -> None:
         self._validate_integers()
@@ -46,6 +95,10 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_stops()
         self._validate_flags()
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            reject("structured_outputs", self.structured_outputs, "a StructuredOutputsParams")
 
     @property
     def is_greedy(self) -> bool:

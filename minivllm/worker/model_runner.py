@@ -23,7 +23,8 @@ from minivllm.spec_decode.draft_model_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.proposal import ProposalRequest
 from minivllm.spec_decode.rejection_sampler import rejection_sample
-from minivllm.worker.input_batch import CachedRequestState, prepare_inputs
+from minivllm.structured_output.manager import apply_token_bitmasks
+from minivllm.worker.input_batch import CachedRequestState, InputBatch, prepare_inputs
 
 
 class ModelRunner:
@@ -73,6 +74,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.sample_rows + spec_rows])
         if logits is None:  # a tensor-parallel follower (chapter 07): rank 0 samples
             return ModelRunnerOutput()
+        if scheduler_output.grammar_bitmasks:  # chapter 10
+            self.apply_grammars(logits, batch, scheduler_output.grammar_bitmasks)
         output = ModelRunnerOutput()
         num_plain = len(batch.sample_rows)
         if num_plain:
@@ -94,6 +97,26 @@ class ModelRunner:
         if self.proposer is not None:
             output.spec_token_ids = self.propose(output.sampled_token_ids)
         return output
+
+    @staticmethod
+    def apply_grammars(
+        logits: torch.Tensor, batch: InputBatch, bitmasks: dict[str, torch.Tensor]
+    ) -> None:
+        """Chapter 10: forbid, in each constrained request's logits rows, the tokens its
+        grammar does not allow there. Rows are laid out as `execute_model` samples them: one
+        per plain request, then each speculative request's rows."""
+        rows, masks = [], []
+        for row, req_id in enumerate(batch.sample_req_ids):
+            if req_id in bitmasks:
+                rows.append(row)
+                masks.append(bitmasks[req_id])
+        offset = len(batch.sample_rows)
+        for req_id, spec_rows in batch.spec_rows.items():
+            if req_id in bitmasks:
+                rows += range(offset, offset + len(spec_rows))
+                masks.append(bitmasks[req_id])
+            offset += len(spec_rows)
+        apply_token_bitmasks(logits, rows, torch.cat(masks))
 
     def verify(
         self, req_id: str, drafts: list[int], logits: torch.Tensor

@@ -1,0 +1,223 @@
+"""Latency under load: requests arrive as a Poisson process at a server, over HTTP (chapter 09).
+
+Throughput benchmarks hand the engine all the work at once. A server's users arrive at random
+times, and what each of them feels is latency: the time to the first token (TTFT), the gap
+between tokens (ITL) and the whole request (E2E). As the request rate grows, throughput rises
+until the engine is saturated; past that point requests queue and TTFT explodes. Running the
+same workload at a few rates and plotting latency against throughput shows where that knee is.
+
+    with BackgroundServer(AsyncLLM.from_config(config)) as server:
+        results = bench_serve(server.base_url, prompts, request_rates=[1, 4, 16])
+    print(format_results(results))
+
+Each request is a streaming `/v1/completions` call with `ignore_eos`, so every request asks
+for the same work; the client notes when each chunk arrives. It works against any
+OpenAI-compatible server that accepts token-id prompts (vLLM's too), bounded both in requests
+and in time: nothing is sent after `max_seconds`, and what still runs then is cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+
+from minivllm.bench.arrivals import poisson_arrivals
+
+PERCENTILES = (50, 90, 99)
+PERCENTILE_NAMES = tuple(f"p{p}" for p in PERCENTILES)
+
+
+@dataclass
+class StreamRecord:
+    """What the client saw of one streamed request (seconds from when it was sent)."""
+
+    ok: bool = False  # the stream ended with [DONE]
+    chunk_times_s: list[float] = field(default_factory=list)  # chunks that carried text
+    end_s: float = math.nan
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        return self.chunk_times_s[0]
+
+    @property
+    def itl_s(self) -> list[float]:
+        times = self.chunk_times_s
+        return [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+@dataclass
+class ServeBenchResult:
+    """One request rate's measurements; latencies in milliseconds as {"p50", "p90", "p99"}."""
+
+    request_rate: float  # requests per second offered (inf: all at once)
+    num_sent: int
+    num_completed: int
+    duration_s: float
+    request_throughput: float  # completed requests per second
+    output_throughput: float  # generated tokens per second
+    ttft_ms: dict[str, float]
+    itl_ms: dict[str, float]
+    e2e_ms: dict[str, float]
+    errors: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def percentiles_ms(values_s: list[float]) -> dict[str, float]:
+    if not values_s:
+        return {f"p{p}": math.nan for p in PERCENTILES}
+    points = np.percentile(np.asarray(values_s) * 1000.0, PERCENTILES)
+    return {f"p{p}": float(v) for p, v in zip(PERCENTILES, points)}
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict) -> StreamRecord:
+    """Send one streaming completion and time its chunks."""
+    record = StreamRecord()
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=payload) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return record
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    record.ok = True
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"]["completion_tokens"]
+                elif chunk["choices"] and chunk["choices"][0]["text"]:
+                    record.chunk_times_s.append(time.perf_counter() - start)
+    except httpx.HTTPError as error:
+        record.error = f"{type(error).__name__}: {error}"
+    record.end_s = time.perf_counter() - start
+    return record
+
+
+async def run_at_rate(
+    base_url: str,
+    model: str,
+    prompts: list[list[int]],
+    request_rate: float,
+    max_tokens: int,
+    max_seconds: float,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> ServeBenchResult:
+    """Send `prompts` at Poisson arrival times of the given rate; measure what comes back."""
+    if math.isinf(request_rate):
+        arrivals = [0.0] * len(prompts)
+    else:
+        arrivals = poisson_arrivals(request_rate, len(prompts), random.Random(seed))
+    arrivals = [t for t in arrivals if t < max_seconds]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = base_url.rstrip("/") + "/v1/completions"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=max_seconds, limits=limits, headers=headers) as client:
+        start = time.perf_counter()
+
+        async def send_at(arrival_s: float, prompt: list[int]) -> StreamRecord:
+            await asyncio.sleep(max(0.0, start + arrival_s - time.perf_counter()))
+            payload = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            return await stream_completion(client, url, payload)
+
+        tasks = [asyncio.create_task(send_at(t, p)) for t, p in zip(arrivals, prompts)]
+        done, pending = await asyncio.wait(tasks, timeout=max_seconds) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        duration = time.perf_counter() - start
+    records = [task.result() for task in tasks if task in done]
+    return summarize(request_rate, len(arrivals), records, duration)
+
+
+def summarize(
+    request_rate: float, num_sent: int, records: list[StreamRecord], duration_s: float
+) -> ServeBenchResult:
+    completed = [r for r in records if r.ok and r.chunk_times_s]
+    output_tokens = sum(r.output_tokens for r in completed)
+    return ServeBenchResult(
+        request_rate=request_rate,
+        num_sent=num_sent,
+        num_completed=len(completed),
+        duration_s=duration_s,
+        request_throughput=len(completed) / duration_s,
+        output_throughput=output_tokens / duration_s,
+        ttft_ms=percentiles_ms([r.ttft_s for r in completed]),
+        itl_ms=percentiles_ms([gap for r in completed for gap in r.itl_s]),
+        e2e_ms=percentiles_ms([r.end_s for r in completed]),
+        errors=[r.error for r in records if r.error is not None],
+    )
+
+
+def served_model(base_url: str, api_key: str | None = None) -> str:
+    """The first model the server lists."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    response = httpx.get(base_url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+def bench_serve(
+    base_url: str,
+    prompts: list[list[int]],
+    request_rates: list[float],
+    max_tokens: int = 32,
+    max_seconds: float = 60.0,
+    model: str | None = None,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> list[ServeBenchResult]:
+    """The same prompts at each request rate, one rate after the other."""
+    model = model or served_model(base_url, api_key)
+    return [
+        asyncio.run(
+            run_at_rate(base_url, model, prompts, rate, max_tokens, max_seconds, seed, api_key)
+        )
+        for rate in request_rates
+    ]
+
+
+def format_results(results: list[ServeBenchResult]) -> str:
+    """A table: one row per request rate."""
+    header = (
+        f"{'rate/s':>7} {'done':>9} {'req/s':>7} {'tok/s':>8} "
+        + " ".join(
+            f"{name + ' ' + p:>10}" for name in ("TTFT", "ITL", "E2E") for p in PERCENTILE_NAMES
+        )
+        + "   (ms)"
+    )
+    rows = [header]
+    for r in results:
+        latencies = " ".join(
+            f"{getattr(r, name)[p]:>10.1f}"
+            for name in ("ttft_ms", "itl_ms", "e2e_ms")
+            for p in PERCENTILE_NAMES
+        )
+        rows.append(
+            f"{r.request_rate:>7g} {r.num_completed:>4}/{r.num_sent:<4} "
+            f"{r.request_throughput:>7.2f} {r.output_throughput:>8.1f} {latencies}"
+        )
+    for r in results:
+        if r.errors:
+            rows.append(f"rate {r.request_rate:g}: {len(r.errors)} failed, e.g. {r.errors[0]}")
+    return "\n".join(rows)

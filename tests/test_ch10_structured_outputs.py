@@ -1,0 +1,270 @@
+"""Chapter 10 checks: a grammar decides the form of the output, never anything else.
+
+The mask: every token it allows continues the grammar, and the ones that start a valid output
+are among them. The engine: constrained outputs parse (JSON that fits its schema, a full regex
+match, one of the choices) at any temperature, in a batch with free requests whose tokens do
+not change; under preemption and with speculative decoding the tokens are those of the plain
+run; a slow compile holds up only its own request; a bad spec is a clear error and leaves the
+engine serving with every block free.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty, chat_prompt_ids
+
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.structured_output.manager import StructuredOutputManager
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+PHONE = r"\d{3}-\d{4}"
+
+
+def json_params(**kwargs) -> SamplingParams:
+    return SamplingParams(structured_outputs=StructuredOutputsParams(json=PERSON), **kwargs)
+
+
+def is_person(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (
+        isinstance(value, dict)
+        and set(value) == {"name", "age"}
+        and isinstance(value["name"], str)
+        and isinstance(value["age"], int)
+    )
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+@pytest.fixture(scope="module")
+def person_prompts(tokenizer) -> list[dict]:
+    messages = [
+        "Describe a person as JSON with a name and an age.",
+        "Invent a character for a novel and give their name and age as JSON.",
+        "Who is the oldest person you know of? Answer in JSON.",
+        "Write a haiku about the sea.",  # not a request for JSON: the grammar insists anyway
+    ]
+    return [{"prompt_token_ids": chat_prompt_ids(tokenizer, m)} for m in messages]
+
+
+# --- the mask -----------------------------------------------------------------------------------
+
+
+def test_a_choice_mask_allows_exactly_the_tokens_that_begin_a_choice(tokenizer):
+    choices = ["yes", "no", "maybe later"]
+    manager = StructuredOutputManager(tokenizer, len(tokenizer))
+    grammar = manager.grammar_for(StructuredOutputsParams(choice=choices))
+    bitmask = grammar.token_bitmasks([])[0]
+    allowed = [t for t in range(len(tokenizer)) if (int(bitmask[t // 32]) >> (t % 32)) & 1]
+    texts = [tokenizer.decode([t]) for t in allowed]
+    assert texts, "nothing allowed"
+    assert all(any(c.startswith(text) for c in choices) for text in texts), texts
+    # The first token of each choice's own tokenization is allowed.
+    for choice in choices:
+        assert tokenizer.encode(choice, add_special_tokens=False)[0] in allowed
+    # After "no" the grammar is complete: only the end of the sequence may follow.
+    for token in tokenizer.encode("no", add_special_tokens=False):
+        grammar.accept(token)
+    after = grammar.token_bitmasks([])[0]
+    allowed_after = [t for t in range(len(tokenizer)) if (int(after[t // 32]) >> (t % 32)) & 1]
+    assert allowed_after == [tokenizer.eos_token_id]
+
+
+def test_a_draft_mask_row_follows_the_drafts_and_invalid_drafts_are_cut(tokenizer):
+    manager = StructuredOutputManager(tokenizer, len(tokenizer))
+    grammar = manager.grammar_for(StructuredOutputsParams(regex=PHONE))
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "5551234"]
+    dash = tokenizer.convert_tokens_to_ids("-")
+    drafts = digits[:3] + [dash]
+    masks = grammar.token_bitmasks(drafts)
+    assert masks.shape[0] == len(drafts) + 1
+
+    def allows(row: int, token: int) -> bool:
+        return bool((int(masks[row][token // 32]) >> (token % 32)) & 1)
+
+    assert allows(0, digits[0]) and not allows(0, dash)
+    assert allows(3, dash) and not allows(3, digits[0])  # after three digits: the dash
+    assert allows(4, digits[3]) and not allows(4, dash)
+    assert grammar.valid_drafts(digits[:2] + [dash, dash]) == digits[:2]  # cut at the bad dash
+    assert grammar.token_bitmasks([]).equal(masks[:1])  # the matcher was left where it was
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+def test_constrained_outputs_parse_at_any_temperature_beside_free_requests(llm, person_prompts):
+    free_prompt = person_prompts[0]
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = llm.generate(free_prompt, free, use_tqdm=False)[0].outputs[0].token_ids
+    params = [json_params(temperature=t, seed=s, max_tokens=64) for t in (0.0, 1.0) for s in (1, 2)]
+    prompts = person_prompts * 2
+    specs = [params[i % len(params)] for i in range(len(prompts))]
+    outputs = llm.generate([free_prompt] + prompts, [free] + specs, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == alone  # the free neighbour is untouched
+    for output in outputs[1:]:
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop"
+        assert is_person(completion.text), completion.text
+    assert_pool_is_empty(llm.llm_engine)
+
+
+def test_regex_and_choice_constrain_the_whole_output(llm, tokenizer):
+    phone = chat_prompt_ids(tokenizer, "What is your phone number?")
+    mood = chat_prompt_ids(tokenizer, "How do you feel today?")
+    choices = ["happy", "sad", "so-so"]
+    requests, params = [], []
+    for seed in range(4):
+        requests += [{"prompt_token_ids": phone}, {"prompt_token_ids": mood}]
+        params += [
+            SamplingParams(
+                temperature=1.0,
+                seed=seed,
+                max_tokens=16,
+                structured_outputs=StructuredOutputsParams(regex=PHONE),
+            ),
+            SamplingParams(
+                temperature=1.0,
+                seed=seed,
+                max_tokens=16,
+                ignore_eos=True,  # the completed grammar still ends it
+                structured_outputs=StructuredOutputsParams(choice=choices),
+            ),
+        ]
+    for output, request_params in zip(llm.generate(requests, params, use_tqdm=False), params):
+        text = output.outputs[0].text
+        assert output.outputs[0].finish_reason == "stop"
+        if request_params.structured_outputs.regex:
+            assert re.fullmatch(PHONE, text), text
+        else:
+            assert text in choices, text
+
+
+def test_each_distinct_spec_compiles_once(llm, person_prompts):
+    engine = llm.llm_engine
+    llm.generate(person_prompts[:2], json_params(temperature=0.0, max_tokens=8), use_tqdm=False)
+    compiles = engine.structured_output_manager.num_compiles
+    llm.generate(person_prompts, json_params(n=2, max_tokens=8), use_tqdm=False)
+    assert engine.structured_output_manager.num_compiles == compiles
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (dict(json={"type": "objec"}), "structured_outputs.json is not valid"),
+        (dict(json="{not json"), "structured_outputs.json is not valid"),
+        (dict(regex="(ab"), "structured_outputs.regex is not valid"),
+        (dict(grammar='root ::= "a" |'), "structured_outputs.grammar is not valid"),
+    ],
+)
+def test_a_bad_spec_is_a_clear_error_and_the_engine_keeps_serving(llm, spec, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        llm.generate("Hi", SamplingParams(structured_outputs=StructuredOutputsParams(**spec)))
+    assert_pool_is_empty(llm.llm_engine)
+    output = llm.generate("Hi", SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    assert len(output[0].outputs[0].token_ids) == 4
+
+
+def test_structured_outputs_params_need_exactly_one_field():
+    for fields, message in (
+        ({}, "exactly one of"),
+        ({"json": PERSON, "regex": "a"}, "exactly one of"),
+        ({"choice": []}, "structured_outputs.choice"),
+        ({"regex": 5}, "structured_outputs.regex"),
+        ({"json": 5}, "structured_outputs.json"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            StructuredOutputsParams(**fields)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": PERSON})
+
+
+def test_preempted_constrained_requests_give_the_same_outputs(person_prompts):
+    """A pool too small for eight JSON answers at once: some are preempted and recomputed.
+    Their grammar state lives with their output tokens, which a preemption keeps."""
+    prompts = person_prompts[:3] * 3  # the haiku prompt's JSON runs past max_tokens
+    params = json_params(temperature=0.0, max_tokens=40)
+    roomy = LLM(enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    per_token = 46080  # the embedded model's K/V bytes per token in float32
+    tight = LLM(kv_cache_memory_bytes=24 * 16 * per_token, max_num_seqs=9)
+    cramped = tight.generate(prompts, params, use_tqdm=False)
+    assert tight.llm_engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in cramped] == [o.outputs[0].token_ids for o in roomy]
+    assert all(is_person(o.outputs[0].text) for o in cramped)
+
+
+@pytest.mark.parametrize(
+    "speculative",
+    [
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+        {"method": "layer_skip", "num_draft_layers": 20, "num_speculative_tokens": 3},
+    ],
+)
+def test_speculation_under_a_grammar_gives_the_plain_constrained_tokens(
+    llm, tokenizer, speculative
+):
+    """Drafts are cut at the first token the grammar forbids, and every verified row gets the
+    mask of its own position."""
+    text = '{"name": "Ada Lovelace", "age": 36}'
+    prompt = chat_prompt_ids(tokenizer, f"Repeat this JSON exactly: {text}")
+    prompts = [{"prompt_token_ids": prompt}] * 2
+    params = [
+        json_params(temperature=0.0, max_tokens=40),
+        json_params(temperature=0.8, seed=3, max_tokens=40),
+    ]
+    plain = llm.generate(prompts, params, use_tqdm=False)
+    speculative_llm = LLM(speculative_config=speculative)
+    got = speculative_llm.generate(prompts, params, use_tqdm=False)
+    assert got[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
+    assert all(is_person(o.outputs[0].text) for o in got)
+    seen = {m.name: m.value for m in speculative_llm.get_metrics()}
+    assert seen["vllm:spec_decode_num_draft_tokens"] > 0
+
+
+def test_a_slow_compile_holds_up_only_its_own_request(tiny_model_dirs, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dirs[ENGINE_TEST_FAMILY])))
+    release = threading.Event()
+    engine.add_request("free", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6))
+    engine.add_request("warm", "Hi", json_params(max_tokens=1))  # builds the manager
+    while engine.has_unfinished_requests():
+        engine.step()
+    compiler = engine.structured_output_manager.compiler
+    original = compiler.compile_grammar
+
+    def slow_compile(grammar):
+        release.wait(timeout=30)
+        return original(grammar)
+
+    monkeypatch.setattr(compiler, "compile_grammar", slow_compile)
+    choice = StructuredOutputsParams(choice=["alpha", "beta"])
+    engine.add_request("slow", "Pick one", SamplingParams(max_tokens=8, structured_outputs=choice))
+    engine.add_request("free", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=6))
+    finished = {}
+    for _ in range(8):
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert "free" in finished and "slow" not in finished
+    assert [r.request_id for r in engine.scheduler.waiting] == ["slow#0"]
+    release.set()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert finished["slow"].outputs[0].text in ("alpha", "beta")
+    assert_pool_is_empty(engine)
