@@ -21,7 +21,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -29,6 +33,7 @@ import httpx
 import numpy as np
 
 from minivllm.bench.arrivals import poisson_arrivals
+from minivllm.executor.multiproc import free_port
 
 PERCENTILES = (50, 90, 99)
 PERCENTILE_NAMES = tuple(f"p{p}" for p in PERCENTILES)
@@ -36,22 +41,45 @@ PERCENTILE_NAMES = tuple(f"p{p}" for p in PERCENTILES)
 
 @dataclass
 class StreamRecord:
-    """What the client saw of one streamed request (seconds from when it was sent)."""
+    """What the client saw of one streamed request."""
 
     ok: bool = False  # the stream ended with [DONE]
-    chunk_times_s: list[float] = field(default_factory=list)  # chunks that carried text
+    events: list[tuple[float, str]] = field(default_factory=list)  # (seconds since sent, line)
     end_s: float = math.nan
     output_tokens: int = 0
     error: str | None = None
 
     @property
     def ttft_s(self) -> float:
-        return self.chunk_times_s[0]
+        return stream_latencies(self.events)[0]
 
     @property
     def itl_s(self) -> list[float]:
-        times = self.chunk_times_s
-        return [later - earlier for earlier, later in zip(times, times[1:])]
+        return stream_latencies(self.events)[1]
+
+    @property
+    def has_text(self) -> bool:
+        return not math.isnan(self.ttft_s)
+
+
+def stream_latencies(events: list[tuple[float, str]]) -> tuple[float, list[float]]:
+    """TTFT and inter-token latencies from a server-sent event stream as the client read it:
+    (seconds since the request was sent, line) pairs. Only chunks that carry text count (a
+    usage chunk has no choices; a role-only chat chunk has no text); NaN TTFT if none did."""
+    times = [seconds for seconds, line in events if chunk_text(line)]
+    if not times:
+        return math.nan, []
+    return times[0], [later - earlier for earlier, later in zip(times, times[1:])]
+
+
+def chunk_text(line: str) -> str:
+    """The text a `data: {...}` line carries ("" for anything else): a completion chunk's
+    `text` or a chat chunk's `delta.content`, of its first choice."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return ""
+    choices = json.loads(line[len("data: ") :]).get("choices") or [{}]
+    first = choices[0]
+    return first.get("text") or (first.get("delta") or {}).get("content") or ""
 
 
 @dataclass
@@ -92,15 +120,13 @@ async def stream_completion(client: httpx.AsyncClient, url: str, payload: dict) 
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: ") :]
-                if data == "[DONE]":
+                record.events.append((time.perf_counter() - start, line))
+                if line == "data: [DONE]":
                     record.ok = True
                     break
-                chunk = json.loads(data)
-                if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"]["completion_tokens"]
-                elif chunk["choices"] and chunk["choices"][0]["text"]:
-                    record.chunk_times_s.append(time.perf_counter() - start)
+                usage = json.loads(line[len("data: ") :]).get("usage")
+                if usage:
+                    record.output_tokens = usage["completion_tokens"]
     except httpx.HTTPError as error:
         record.error = f"{type(error).__name__}: {error}"
     record.end_s = time.perf_counter() - start
@@ -153,7 +179,7 @@ async def run_at_rate(
 def summarize(
     request_rate: float, num_sent: int, records: list[StreamRecord], duration_s: float
 ) -> ServeBenchResult:
-    completed = [r for r in records if r.ok and r.chunk_times_s]
+    completed = [r for r in records if r.ok and r.has_text]
     output_tokens = sum(r.output_tokens for r in completed)
     return ServeBenchResult(
         request_rate=request_rate,
@@ -188,13 +214,81 @@ def bench_serve(
     api_key: str | None = None,
 ) -> list[ServeBenchResult]:
     """The same prompts at each request rate, one rate after the other."""
+    return asyncio.run(
+        bench_serve_async(
+            base_url, prompts, request_rates, max_tokens, max_seconds, model, seed, api_key
+        )
+    )
+
+
+async def bench_serve_async(
+    base_url: str,
+    prompts: list[list[int]],
+    request_rates: list[float],
+    max_tokens: int = 32,
+    max_seconds: float = 60.0,
+    model: str | None = None,
+    seed: int = 0,
+    api_key: str | None = None,
+) -> list[ServeBenchResult]:
+    """`bench_serve` for code already inside an event loop (a notebook: `await` it)."""
     model = model or served_model(base_url, api_key)
     return [
-        asyncio.run(
-            run_at_rate(base_url, model, prompts, rate, max_tokens, max_seconds, seed, api_key)
-        )
+        await run_at_rate(base_url, model, prompts, rate, max_tokens, max_seconds, seed, api_key)
         for rate in request_rates
     ]
+
+
+class ServerProcess:
+    """`minivllm serve` in a child process on a free loopback port, for benchmarks: the server
+    gets an interpreter (and a GIL) of its own, so the client's timing threads do not slow it.
+
+        with ServerProcess(["--max-num-seqs", "32"]) as server:
+            results = bench_serve(server.base_url, prompts, [1, 4])
+    """
+
+    def __init__(self, engine_args: list[str] = (), startup_timeout_s: float = 180):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="minivllm-serve-", suffix=".log")
+        command = [sys.executable, "-m", "minivllm", "serve", "--port", str(self.port)]
+        self.process = subprocess.Popen(
+            command + [str(arg) for arg in engine_args],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=os.environ | {"HF_HUB_OFFLINE": "1"},
+        )
+        self.wait_until_healthy(startup_timeout_s)
+
+    def wait_until_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                self.log.seek(0)
+                raise RuntimeError(f"the server exited while starting:\n{self.log.read()[-2000:]}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"the server at {self.base_url} did not answer /health in {timeout_s} s")
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
 
 def format_results(results: list[ServeBenchResult]) -> str:
