@@ -28,6 +28,46 @@ PERSON = {
     "required": ["name", "age"],
 }
 PHONE = r"\d{3}-\d{4}"
+# Schemas with what applications use: nesting, arrays, enums, bounds, patterns, required fields.
+PROFILE = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "address": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["city", "zip"],
+        },
+        "hobbies": {"type": "array", "items": {"type": "string", "maxLength": 20}, "maxItems": 3},
+        "role": {"enum": ["admin", "user", "guest"]},
+    },
+    "required": ["name", "age", "address", "hobbies", "role"],
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "product": {"type": "string", "maxLength": 25},
+                    "quantity": {"type": "integer", "minimum": 1, "maximum": 99},
+                    "price": {"type": "number", "minimum": 0},
+                },
+                "required": ["product", "quantity", "price"],
+            },
+        },
+        "paid": {"type": "boolean"},
+    },
+    "required": ["items", "paid"],
+}
 
 
 def json_params(**kwargs) -> SamplingParams:
@@ -122,6 +162,22 @@ def test_constrained_outputs_parse_at_any_temperature_beside_free_requests(llm, 
         assert completion.finish_reason == "stop"
         assert is_person(completion.text), completion.text
     assert_pool_is_empty(llm.llm_engine)
+
+
+@pytest.mark.parametrize("schema", [PROFILE, ORDER], ids=["profile", "order"])
+def test_outputs_validate_against_nested_schemas_greedy_and_sampled(llm, tokenizer, schema):
+    jsonschema = pytest.importorskip("jsonschema")
+    messages = ["Create a user profile as JSON.", "Write a JSON order for a bakery."]
+    prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, m)} for m in messages] * 2
+    spec = StructuredOutputsParams(json=schema)
+    params = [
+        SamplingParams(temperature=t, seed=i, max_tokens=200, structured_outputs=spec)
+        for i, t in enumerate((0.0, 0.0, 1.0, 1.0))
+    ]
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        completion = output.outputs[0]
+        assert completion.finish_reason == "stop", completion.text
+        jsonschema.validate(json.loads(completion.text), schema)
 
 
 def test_regex_and_choice_constrain_the_whole_output(llm, tokenizer):

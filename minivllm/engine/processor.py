@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from minivllm.sample.sampling_params import SamplingParams
+from minivllm.structured_output.manager import parse_grammar
 from minivllm.tokenizer import encode_prompt
 
 PROMPT_FORMS = "a string, {'prompt': str} or {'prompt_token_ids': list[int]}"
@@ -74,6 +75,10 @@ class Processor:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         processed = self.process_prompt(prompt)
         self.check_fits(processed, params)
+        if params.structured_outputs is not None:
+            # Chapter 10: a grammar that does not parse is refused here, before anything is
+            # queued (parsing is cheap; the compile runs later, in the engine's background).
+            parse_grammar(params.structured_outputs)
         return processed, params
 
     def check_fits(self, prompt: ProcessedPrompt, params: SamplingParams) -> None:

@@ -23,16 +23,22 @@ The pieces, and where they run:
   it with every emitted token. A preempted sequence keeps its output tokens, so its matcher
   stays where it was.
 - `apply_token_bitmasks`: the model runner masks the logits rows before sampling.
+
+`parse_grammar` is also called when a request is checked (`engine/processor.py`), so a spec that
+does not parse is refused before anything is queued, online and offline alike.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from minivllm.sample.sampling_params import StructuredOutputsParams
+
+XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class StructuredOutputManager:
@@ -72,8 +78,8 @@ def parse_grammar(spec: StructuredOutputsParams):
             # adding them until max_tokens.
             schema = value if isinstance(value, str) else json.dumps(value)
             return xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
-        if kind == "json_object":
-            return xgrammar.Grammar.builtin_json_grammar()
+        if kind == "json_object":  # any JSON object, as vLLM compiles it
+            return xgrammar.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
         if kind == "regex":
             return xgrammar.Grammar.from_regex(value)
         if kind == "choice":
@@ -83,8 +89,12 @@ def parse_grammar(spec: StructuredOutputsParams):
             )
         return xgrammar.Grammar.from_ebnf(value)
     except RuntimeError as error:  # xgrammar reports parse errors as RuntimeError
-        message = str(error).splitlines()[-1]
-        raise ValueError(f"structured_outputs.{kind} is not valid: {message}") from None
+        raise ValueError(f"structured_outputs.{kind} is not valid: {plain(error)}") from None
+
+
+def plain(error: RuntimeError) -> str:
+    """xgrammar's message without its "[time] file.cc:line: " prefix."""
+    return XGRAMMAR_PREFIX.sub("", str(error).strip().splitlines()[-1])
 
 
 class RequestGrammar:
@@ -149,9 +159,14 @@ class RequestGrammar:
 
 def apply_token_bitmasks(logits: torch.Tensor, rows: list[int], bitmasks: torch.Tensor) -> None:
     """Set the forbidden tokens' logits to -inf in the given rows, in place (bitmasks[i]
-    belongs to logits[rows[i]])."""
-    import xgrammar
-
-    full = torch.full((logits.shape[0], bitmasks.shape[1]), -1, dtype=torch.int32)  # all allowed
-    full[rows] = bitmasks
-    xgrammar.apply_token_bitmask_inplace(logits, full.to(logits.device))
+    belongs to logits[rows[i]]). Bit j of word w is token 32 * w + j; bits past the vocabulary
+    are ignored. (Written out rather than xgrammar's CPU kernel, which can write past the end
+    of a row whose length is not a whole number of 32-token words.)"""
+    vocab_size = logits.shape[-1]
+    # Shift each word right by 0..31 and keep the lowest bit. On int32 the shift is arithmetic,
+    # but the bit kept is still bit j, so the sign bit (31) reads like any other.
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = (bitmasks.to(logits.device).unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
+    allowed = bits.flatten(-2)[:, :vocab_size].bool()
+    index = torch.tensor(rows, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -4,16 +4,20 @@ Field names, defaults and shapes are OpenAI's (and vLLM's extras, such as `top_k
 `ignore_eos`), so the official `openai` client, and any tool written for OpenAI or vLLM, talks
 to minivllm unchanged. Pydantic checks the types; the values are checked by `SamplingParams`,
 whose errors name the field, so both become a 400 with a message the user can act on.
+
+Chapter 10 adds the form of the output, in either dialect: OpenAI's `response_format` (a JSON
+schema, or any JSON object) or vLLM's `structured_outputs` (json, regex, choice, grammar,
+json_object), both mapped onto `SamplingParams.structured_outputs`.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from minivllm.sample.sampling_params import SamplingParams
+from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 # JSON has no -inf; a token the model rules out gets this log-probability instead (vLLM's value).
 MIN_LOGPROB = -9999.0
@@ -45,6 +49,36 @@ class StreamOptions(OpenAIBaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    # OpenAI's key is "schema", which is also the name of a pydantic method: hence the alias.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    # OpenAI's strict mode guarantees the schema; a grammar always does, so it changes nothing.
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON that fits a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema: {"name", "schema"}')
+        return self
+
+    def as_structured_outputs(self) -> StructuredOutputsParams | None:
+        """The same constraint in vLLM's terms; None for free text."""
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if self.type == "json_schema":
+            return StructuredOutputsParams(json=self.json_schema.json_schema)
+        return None
+
+
 class SamplingRequest(OpenAIBaseModel):
     """The fields both generation endpoints share, and their translation to SamplingParams."""
 
@@ -69,6 +103,10 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # chapter 10: the form of the output, OpenAI's way or vLLM's (pydantic fills the dataclass
+    # and runs its checks, so a malformed one is a 400 naming structured_outputs)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -94,7 +132,18 @@ class SamplingRequest(OpenAIBaseModel):
             repetition_penalty=self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.output_form(),
         )
+
+    def output_form(self) -> StructuredOutputsParams | None:
+        """The constraint on the output, from whichever of the two fields sets one."""
+        from_format = self.response_format and self.response_format.as_structured_outputs()
+        if from_format is not None and self.structured_outputs is not None:
+            raise ValueError(
+                "response_format must be text when structured_outputs is set: give the form of "
+                "the output in one of them"
+            )
+        return from_format or self.structured_outputs
 
 
 class CompletionRequest(SamplingRequest):
