@@ -173,3 +173,18 @@ def assert_pool_is_empty(engine) -> None:
     assert manager.num_free_blocks == manager.num_blocks
     assert all(count == 0 for count in manager.pool.ref_counts)
     manager.check_integrity()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def release_memory_after_each_module():
+    """Engines hold hundreds of megabytes to gigabytes (weights, KV pool). The CPU allocator
+    setting of appendix A keeps freed memory in the process, per thread (servers step their
+    engine on a thread of its own), so a long test session would grow until the machine runs
+    out. After each module: collect what is unreachable, then hand the freed memory back."""
+    yield
+    import gc
+
+    from minivllm.worker.cpu_allocator import release_freed_memory
+
+    gc.collect()
+    release_freed_memory()

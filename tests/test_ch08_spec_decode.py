@@ -365,7 +365,10 @@ def test_embedded_model_with_speculation_gives_transformers_greedy_tokens(
     prompt = chat_prompt_ids(
         tokenizer, "Repeat after me, word for word: the quick brown fox jumps over the lazy dog."
     )
-    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    llm = LLM(
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
+        kv_cache_memory_bytes=256 * 1024**2,
+    )
     output = llm.generate(
         {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=20)
     )

@@ -410,11 +410,13 @@ def test_embedded_model_chat_equals_llm_chat(embedded_dir):
     """The real model: a greedy chat answer over HTTP is LLM.chat's, and it is right."""
     messages = [{"role": "user", "content": CHAT_MESSAGES[1]}]
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    llm = LLM(max_model_len=512)
+    llm = LLM(max_model_len=512, kv_cache_memory_bytes=256 * 1024**2)
     expected = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
     expected_completion = llm.generate("The capital of France is", params, use_tqdm=False)[0]
     del llm
-    engine = AsyncLLM.from_config(EngineConfig(max_model_len=512))
+    engine = AsyncLLM.from_config(
+        EngineConfig(max_model_len=512, kv_cache_memory_bytes=256 * 1024**2)
+    )
     with BackgroundServer(engine) as embedded:
         client = openai.OpenAI(base_url=embedded.base_url + "/v1", api_key="none", max_retries=0)
         model = client.models.list().data[0].id

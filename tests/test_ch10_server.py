@@ -33,7 +33,9 @@ pytestmark = pytest.mark.slow  # the embedded model
 
 @pytest.fixture(scope="module")
 def server():
-    server = BackgroundServer(AsyncLLM.from_config(EngineConfig(max_model_len=512)))
+    server = BackgroundServer(
+        AsyncLLM.from_config(EngineConfig(max_model_len=512, kv_cache_memory_bytes=256 * 1024**2))
+    )
     yield server
     server.stop()
 

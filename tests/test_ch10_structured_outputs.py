@@ -87,9 +87,13 @@ def is_person(text: str) -> bool:
     )
 
 
+# Room for about 5,800 tokens of the embedded model: plenty here, and a tenth of the default.
+SMALL_KV_CACHE = 256 * 1024**2
+
+
 @pytest.fixture(scope="module")
 def llm():
-    return LLM()
+    return LLM(kv_cache_memory_bytes=SMALL_KV_CACHE)
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +259,8 @@ def test_preempted_constrained_requests_give_the_same_outputs(person_prompts):
     Their grammar state lives with their output tokens, which a preemption keeps."""
     prompts = person_prompts[:3] * 3  # the haiku prompt's JSON runs past max_tokens
     params = json_params(temperature=0.0, max_tokens=40)
-    roomy = LLM(enable_prefix_caching=False).generate(prompts, params, use_tqdm=False)
+    roomy = LLM(enable_prefix_caching=False, kv_cache_memory_bytes=SMALL_KV_CACHE)
+    roomy = roomy.generate(prompts, params, use_tqdm=False)
     per_token = 46080  # the embedded model's K/V bytes per token in float32
     tight = LLM(kv_cache_memory_bytes=24 * 16 * per_token, max_num_seqs=9)
     cramped = tight.generate(prompts, params, use_tqdm=False)
@@ -284,7 +289,7 @@ def test_speculation_under_a_grammar_gives_the_plain_constrained_tokens(
         json_params(temperature=0.8, seed=3, max_tokens=40),
     ]
     plain = llm.generate(prompts, params, use_tqdm=False)
-    speculative_llm = LLM(speculative_config=speculative)
+    speculative_llm = LLM(speculative_config=speculative, kv_cache_memory_bytes=SMALL_KV_CACHE)
     got = speculative_llm.generate(prompts, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == plain[0].outputs[0].token_ids
     assert all(is_person(o.outputs[0].text) for o in got)

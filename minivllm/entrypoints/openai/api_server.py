@@ -28,9 +28,9 @@ from pathlib import Path
 
 import httpx
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -137,91 +137,131 @@ class ApiKeyMiddleware:
 # --- the app -------------------------------------------------------------------------------------
 
 
+@dataclass
+class ServerState:
+    """What the routes serve from, one per app (`app.state.server`). The routes are module-level
+    functions that look it up on each request rather than closures over an engine: FastAPI
+    caches route functions process-wide, and a closure there would keep its engine (and its
+    gigabytes) alive after the server stopped."""
+
+    engine: AsyncLLM
+    settings: ServerSettings
+    model_name: str
+    completions: OpenAIServingCompletion
+    chat: OpenAIServingChat
+    registry: CollectorRegistry
+
+
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `engine` (which it does not own: the caller shuts it down)."""
     model_name = settings.served_model_name or Path(engine.model_path).name
-    completions = OpenAIServingCompletion(engine, [model_name])
-    chat = OpenAIServingChat(engine, [model_name])
-    registry = make_registry(engine, model_name)
     app = FastAPI(title="minivllm OpenAI-compatible server")
-
+    app.state.server = ServerState(
+        engine=engine,
+        settings=settings,
+        model_name=model_name,
+        completions=OpenAIServingCompletion(engine, [model_name]),
+        chat=OpenAIServingChat(engine, [model_name]),
+        registry=make_registry(engine, model_name),
+    )
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
-        return error_response(error)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        return error_response(OpenAIError(error.status_code, str(error.detail)))
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
-
-    @app.get("/v1/models")
-    async def models() -> ModelList:
-        card = ModelCard(
-            id=model_name, root=str(engine.model_path), max_model_len=engine.max_model_len
-        )
-        return ModelList(data=[card])
-
-    async def generate(raw_request: Request, request_type: type[BaseModel], serving) -> Response:
-        request = await read_request(raw_request, request_type, settings.max_request_bytes)
-        try:
-            started = serving.start_request(request)
-        except Exception as error:
-            raise as_openai_error(error) from None
-        if request.stream:
-            # Starlette cancels the stream when the client disconnects; the generator's cleanup
-            # then aborts the requests.
-            return StreamingResponse(
-                serving.stream(request, started), media_type="text/event-stream"
-            )
-        response = await cancel_on_disconnect(raw_request, serving.respond(started))
-        if response is None:
-            return Response(status_code=499)  # nobody is listening any more
-        return JSONResponse(response.model_dump(mode="json"))
-
-    @app.post("/v1/completions")
-    async def create_completion(raw_request: Request) -> Response:
-        return await generate(raw_request, CompletionRequest, completions)
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(raw_request: Request) -> Response:
-        return await generate(raw_request, ChatCompletionRequest, chat)
-
-    @app.post("/tokenize")
-    async def tokenize(raw_request: Request) -> TokenizeResponse:
-        request = await read_request(raw_request, TokenizeRequest, settings.max_request_bytes)
-        completions.check_model(request.model)
-        try:
-            if request.messages is not None:
-                tokens = chat.chat_prompt_ids(request.messages, request.add_generation_prompt)
-            elif request.prompt is not None:
-                tokens = list(engine.tokenizer.encode(request.prompt))
-            else:
-                raise ValueError("give a prompt or messages")
-        except (ValueError, TypeError) as error:
-            raise as_openai_error(error) from None
-        return TokenizeResponse(
-            count=len(tokens), max_model_len=engine.max_model_len, tokens=tokens
-        )
-
-    @app.post("/detokenize")
-    async def detokenize(raw_request: Request) -> DetokenizeResponse:
-        request = await read_request(raw_request, DetokenizeRequest, settings.max_request_bytes)
-        completions.check_model(request.model)
-        return DetokenizeResponse(prompt=engine.tokenizer.decode(request.tokens))
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        # Reading the engine's counters waits for the current step: off the event loop.
-        text = await asyncio.to_thread(generate_latest, registry)
-        return Response(text, media_type=CONTENT_TYPE_LATEST)
-
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.include_router(router)
     return app
+
+
+router = APIRouter()
+
+
+def state_of(raw_request: Request) -> ServerState:
+    return raw_request.app.state.server
+
+
+async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
+    return error_response(error)
+
+
+async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
+    return error_response(OpenAIError(error.status_code, str(error.detail)))
+
+
+@router.get("/health")
+async def health(raw_request: Request) -> Response:
+    return Response(status_code=200 if state_of(raw_request).engine.is_running else 503)
+
+
+@router.get("/v1/models")
+async def models(raw_request: Request) -> ModelList:
+    state = state_of(raw_request)
+    card = ModelCard(
+        id=state.model_name,
+        root=str(state.engine.model_path),
+        max_model_len=state.engine.max_model_len,
+    )
+    return ModelList(data=[card])
+
+
+async def generate(raw_request: Request, request_type: type[BaseModel], serving) -> Response:
+    limit = state_of(raw_request).settings.max_request_bytes
+    request = await read_request(raw_request, request_type, limit)
+    try:
+        started = serving.start_request(request)
+    except Exception as error:
+        raise as_openai_error(error) from None
+    if request.stream:
+        # Starlette cancels the stream when the client disconnects; the generator's cleanup
+        # then aborts the requests.
+        return StreamingResponse(serving.stream(request, started), media_type="text/event-stream")
+    response = await cancel_on_disconnect(raw_request, serving.respond(started))
+    if response is None:
+        return Response(status_code=499)  # nobody is listening any more
+    return JSONResponse(response.model_dump(mode="json"))
+
+
+@router.post("/v1/completions")
+async def create_completion(raw_request: Request) -> Response:
+    return await generate(raw_request, CompletionRequest, state_of(raw_request).completions)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(raw_request: Request) -> Response:
+    return await generate(raw_request, ChatCompletionRequest, state_of(raw_request).chat)
+
+
+@router.post("/tokenize")
+async def tokenize(raw_request: Request) -> TokenizeResponse:
+    state = state_of(raw_request)
+    request = await read_request(raw_request, TokenizeRequest, state.settings.max_request_bytes)
+    state.completions.check_model(request.model)
+    try:
+        if request.messages is not None:
+            tokens = state.chat.chat_prompt_ids(request.messages, request.add_generation_prompt)
+        elif request.prompt is not None:
+            tokens = list(state.engine.tokenizer.encode(request.prompt))
+        else:
+            raise ValueError("give a prompt or messages")
+    except (ValueError, TypeError) as error:
+        raise as_openai_error(error) from None
+    return TokenizeResponse(
+        count=len(tokens), max_model_len=state.engine.max_model_len, tokens=tokens
+    )
+
+
+@router.post("/detokenize")
+async def detokenize(raw_request: Request) -> DetokenizeResponse:
+    state = state_of(raw_request)
+    request = await read_request(raw_request, DetokenizeRequest, state.settings.max_request_bytes)
+    state.completions.check_model(request.model)
+    return DetokenizeResponse(prompt=state.engine.tokenizer.decode(request.tokens))
+
+
+@router.get("/metrics")
+async def metrics(raw_request: Request) -> Response:
+    # Reading the engine's counters waits for the current step: off the event loop.
+    text = await asyncio.to_thread(generate_latest, state_of(raw_request).registry)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
 # --- running it ----------------------------------------------------------------------------------
