@@ -14,6 +14,7 @@ import json
 import re
 import threading
 
+import jsonschema
 import pytest
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty, chat_prompt_ids
 
@@ -170,7 +171,6 @@ def test_constrained_outputs_parse_at_any_temperature_beside_free_requests(llm, 
 
 @pytest.mark.parametrize("schema", [PROFILE, ORDER], ids=["profile", "order"])
 def test_outputs_validate_against_nested_schemas_greedy_and_sampled(llm, tokenizer, schema):
-    jsonschema = pytest.importorskip("jsonschema")
     messages = ["Create a user profile as JSON.", "Write a JSON order for a bakery."]
     prompts = [{"prompt_token_ids": chat_prompt_ids(tokenizer, m)} for m in messages] * 2
     spec = StructuredOutputsParams(json=schema)
