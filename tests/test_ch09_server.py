@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -429,3 +430,33 @@ def test_embedded_model_chat_equals_llm_chat(embedded_dir):
     assert answer.message.content == expected.text and "Paris" in answer.message.content
     assert answer.finish_reason == expected.finish_reason
     assert completion.text == expected_completion.outputs[0].text
+
+
+def test_data_parallel_replicas_serve_behind_the_same_api(model_dir, tiny_llm):
+    """Chapter 07's replicas plug in behind the server unchanged: two engine processes, one
+    endpoint, concurrent requests spread over both, the same greedy text as one engine, and
+    every block free afterwards."""
+    config = EngineConfig(model=str(model_dir), data_parallel_size=2, **ENGINE_SETTINGS)
+    prompts = [[5, 6, 7, 8], [100, 200, 300], [42] * 6, [7, 7, 9, 11, 13]] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    expected = [o.outputs[0].text for o in tiny_llm.generate(requests, params, use_tqdm=False)]
+    engine = AsyncLLM.from_config(config)
+    with BackgroundServer(engine, ServerSettings(served_model_name=MODEL)) as server:
+        client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0)
+
+        def complete(prompt: list[int]) -> str:
+            extra = {"ignore_eos": True}
+            response = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=24, temperature=0.0, extra_body=extra
+            )
+            return response.choices[0].text
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            assert list(pool.map(complete, prompts)) == expected
+        per_replica = engine.call_engine(lambda dp: dp.get_replica_metrics())
+        for metrics in per_replica:
+            values = {m.name: m.value for m in metrics}
+            assert values["vllm:prompt_tokens"] > 0, "a replica was never used"
+            assert values["vllm:num_requests_running"] == 0
+            assert values["vllm:kv_cache_usage_perc"] == 0
