@@ -223,6 +223,27 @@ def test_each_distinct_spec_compiles_once(llm, person_prompts):
     assert engine.structured_output_manager.num_compiles == compiles
 
 
+def test_a_schemas_property_order_is_its_outputs_field_order(llm, person_prompts):
+    """Two schemas with the same properties in another order are different grammars: neither
+    may reuse the other's compile."""
+    age_first = {
+        "type": "object",
+        "properties": {"age": {"type": "integer"}, "name": {"type": "string"}},
+        "required": ["age", "name"],
+    }
+    params = [
+        json_params(temperature=0.0, max_tokens=40),
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(json=age_first),
+        ),
+    ]
+    outputs = llm.generate(person_prompts[:1] * 2, params, use_tqdm=False)
+    assert list(json.loads(outputs[0].outputs[0].text)) == ["name", "age"]
+    assert list(json.loads(outputs[1].outputs[0].text)) == ["age", "name"]
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [

@@ -61,9 +61,10 @@ class StructuredOutputsParams:
         return next((name, value) for name, value in self._fields() if value not in (None, False))
 
     def key(self) -> str:
-        """A string naming the spec, equal for equal specs (a compiled grammar is reused)."""
+        """A string naming the spec, equal for equal specs (a compiled grammar is reused). Key
+        order is kept: a schema's property order is the order of the fields it produces."""
         kind, value = self.kind()
-        return kind + ":" + json_module.dumps(value, sort_keys=True)
+        return kind + ":" + json_module.dumps(value)
 
 
 @dataclass
