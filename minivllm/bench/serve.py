@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 
 from minivllm.bench.arrivals import poisson_arrivals
+from minivllm.entrypoints.openai.api_server import wait_until_healthy
 from minivllm.executor.multiproc import free_port
 
 PERCENTILES = (50, 90, 99)
@@ -48,18 +49,6 @@ class StreamRecord:
     end_s: float = math.nan
     output_tokens: int = 0
     error: str | None = None
-
-    @property
-    def ttft_s(self) -> float:
-        return stream_latencies(self.events)[0]
-
-    @property
-    def itl_s(self) -> list[float]:
-        return stream_latencies(self.events)[1]
-
-    @property
-    def has_text(self) -> bool:
-        return not math.isnan(self.ttft_s)
 
 
 def stream_latencies(events: list[tuple[float, str]]) -> tuple[float, list[float]]:
@@ -179,7 +168,10 @@ async def run_at_rate(
 def summarize(
     request_rate: float, num_sent: int, records: list[StreamRecord], duration_s: float
 ) -> ServeBenchResult:
-    completed = [r for r in records if r.ok and r.has_text]
+    # Each finished stream's (TTFT, ITLs), read from its lines once; a stream without text
+    # (NaN TTFT) did not complete.
+    latencies = {id(r): stream_latencies(r.events) for r in records if r.ok}
+    completed = [r for r in records if r.ok and not math.isnan(latencies[id(r)][0])]
     output_tokens = sum(r.output_tokens for r in completed)
     return ServeBenchResult(
         request_rate=request_rate,
@@ -188,8 +180,8 @@ def summarize(
         duration_s=duration_s,
         request_throughput=len(completed) / duration_s,
         output_throughput=output_tokens / duration_s,
-        ttft_ms=percentiles_ms([r.ttft_s for r in completed]),
-        itl_ms=percentiles_ms([gap for r in completed for gap in r.itl_s]),
+        ttft_ms=percentiles_ms([latencies[id(r)][0] for r in completed]),
+        itl_ms=percentiles_ms([gap for r in completed for gap in latencies[id(r)][1]]),
         e2e_ms=percentiles_ms([r.end_s for r in completed]),
         errors=[r.error for r in records if r.error is not None],
     )
@@ -258,22 +250,19 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             env=os.environ | {"HF_HUB_OFFLINE": "1"},
         )
-        self.wait_until_healthy(startup_timeout_s)
+        try:
+            wait_until_healthy(self.base_url, startup_timeout_s, self.is_alive)
+        except RuntimeError:
+            self.log.seek(0)
+            raise RuntimeError(
+                f"the server exited while starting:\n{self.log.read()[-2000:]}"
+            ) from None
+        except TimeoutError:
+            self.stop()
+            raise
 
-    def wait_until_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self.log.seek(0)
-                raise RuntimeError(f"the server exited while starting:\n{self.log.read()[-2000:]}")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"the server at {self.base_url} did not answer /health in {timeout_s} s")
+    def is_alive(self) -> bool:
+        return self.process.poll() is None
 
     def stop(self) -> None:
         self.process.terminate()

@@ -353,9 +353,8 @@ class Scheduler:
     def _next_waiting(self) -> Request | None:
         """The next waiting request to admit, None if none can start yet (chapter 10: a
         request whose grammar is still compiling waits, without holding up the others)."""
-        ready = [r for r in self.waiting if r.grammar is None or r.grammar.is_ready]
-        if not ready:
-            return None
+        ready = (r for r in self.waiting if r.grammar is None or r.grammar.is_ready)
         if self.config.policy == "priority":
-            return min(ready, key=lambda r: (r.priority, self._arrival_order[r.request_id]))
-        return ready[0]
+            key = lambda r: (r.priority, self._arrival_order[r.request_id])  # noqa: E731
+            return min(ready, key=key, default=None)
+        return next(ready, None)  # FCFS: usually the head of the queue, found at once

@@ -30,6 +30,7 @@ does not parse is refused before anything is queued, online and offline alike.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -68,10 +69,20 @@ class StructuredOutputManager:
 
 
 def parse_grammar(spec: StructuredOutputsParams):
-    """The spec as an xgrammar Grammar; a ValueError naming the field if it does not parse."""
+    """The spec as an xgrammar Grammar; a ValueError naming the field if it does not parse.
+    Parsed once per distinct spec: every request is checked with it, and the manager compiles
+    from it."""
+    return _parse_grammar_key(spec.key())
+
+
+@functools.lru_cache(maxsize=256)
+def _parse_grammar_key(key: str):
+    """`parse_grammar` by the spec's key ("kind:" + its value as JSON, order kept), so that the
+    cache can hash it."""
     import xgrammar
 
-    kind, value = spec.kind()
+    kind, value_json = key.split(":", 1)
+    value = json.loads(value_json)
     try:
         if kind == "json":
             # Compact JSON (no free whitespace): a small model, free to add spaces, may keep

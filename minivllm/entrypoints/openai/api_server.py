@@ -23,6 +23,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -277,6 +278,22 @@ def run_server(config: EngineConfig, settings: ServerSettings) -> None:
         engine.shutdown()
 
 
+def wait_until_healthy(base_url: str, timeout_s: float, is_alive: Callable[[], bool]) -> None:
+    """Poll `GET /health` until it answers 200: RuntimeError if the server stops first
+    (`is_alive()` turns false), TimeoutError after `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not is_alive():
+            raise RuntimeError("the server stopped while starting")
+        try:
+            if httpx.get(base_url + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"the server at {base_url} did not answer /health in {timeout_s} s")
+
+
 class BackgroundServer:
     """A server in a thread of this process, on a free loopback port: for tests, notebooks and
     `bench serve` against an engine you built yourself.
@@ -307,20 +324,7 @@ class BackgroundServer:
             target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True
         )
         self.thread.start()
-        self.wait_until_healthy(startup_timeout_s)
-
-    def wait_until_healthy(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if not self.thread.is_alive():
-                raise RuntimeError("the server thread stopped while starting")
-            try:
-                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise TimeoutError(f"the server at {self.base_url} did not answer /health in {timeout_s} s")
+        wait_until_healthy(self.base_url, startup_timeout_s, self.thread.is_alive)
 
     def stop(self) -> None:
         """Stop serving and shut the engine down."""
