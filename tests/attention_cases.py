@@ -57,6 +57,8 @@ def paged_batches(
 
     `pool_blocks` fixes the pool's size (the sequences' blocks are drawn from it); otherwise
     the pool has just the blocks the sequences need and a few spare."""
+    if pool_blocks is not None and blocks_for(max_cached + max_new, min(block_sizes)) > pool_blocks:
+        raise ValueError(f"a pool of {pool_blocks} blocks cannot hold the longest sequence")
     block_size = draw(st.sampled_from(block_sizes))
     num_kv_heads = draw(st.sampled_from(kv_heads))
     group = draw(st.integers(1, max_group))  # query heads per KV head (GQA)
@@ -65,12 +67,26 @@ def paged_batches(
     sequences = draw(
         st.lists(st.tuples(st.integers(0, max_cached), new_tokens), min_size=1, max_size=5)
     )
+    if pool_blocks is not None:
+        sequences = sequences_that_fit(sequences, block_size, pool_blocks)
     needed = sum(blocks_for(c + n, block_size) for c, n in sequences)
     num_blocks = pool_blocks if pool_blocks is not None else needed + draw(st.integers(0, 3))
-    assert needed <= num_blocks, "the fixed pool is too small for the drawn sequences"
     physical = draw(st.permutations(range(num_blocks)))  # shuffled physical block ids
     seed = draw(st.integers(0, 2**31 - 1))
     return block_size, num_kv_heads, group, head_dim, sequences, physical, seed
+
+
+def sequences_that_fit(sequences: list, block_size: int, pool_blocks: int) -> list:
+    """The drawn sequences from the first on, as many as a pool of `pool_blocks` holds: the
+    strategy builds only cases that exist (at least one sequence always fits, since the caller
+    sizes the pool for the longest one)."""
+    kept, used = [], 0
+    for cached, new in sequences:
+        used += blocks_for(cached + new, block_size)
+        if used > pool_blocks:
+            break
+        kept.append((cached, new))
+    return kept
 
 
 def dense_attention(q, keys, values, group: int) -> torch.Tensor:

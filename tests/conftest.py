@@ -16,6 +16,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Under CI every hypothesis test draws the same examples on every run (derandomize), so a red
+# run means a real failure that the next run reproduces, never an unlucky draw; print_blob
+# prints, with a failure, the line that replays it (@reproduce_failure). The profile is loaded
+# before any test module is imported, so every settings(...) made there starts from it.
+settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 # Without a GPU, chapter 06's Triton kernels run in Triton's interpreter. Triton reads the
 # setting when a kernel is defined, so it is made before any test imports one.

@@ -27,8 +27,9 @@ from minivllm.sample.sampler import (
 )
 from minivllm.sample.sampling_params import SamplingParams
 
-settings.register_profile("sampling", max_examples=40, deadline=None)
-settings.load_profile("sampling")
+# One settings object for this module's properties (a profile loaded here would replace the
+# session's profile for every module collected after this one).
+SAMPLING_SETTINGS = settings(max_examples=40, deadline=None)
 
 BOUNDARY_TOLERANCE = 1e-5
 
@@ -94,6 +95,7 @@ def sampling_row(params: SamplingParams, output=(), prompt=(), generator=None, e
 # --- top-k, top-p, min-p on their own ---
 
 
+@SAMPLING_SETTINGS
 @given(batch=logit_batches(), data=st.data())
 def test_top_k_keeps_exactly_the_tokens_with_fewer_than_k_strictly_larger_logits(batch, data):
     """Top-k keeps the k largest logits; a tie at the k-th value keeps every tied token.
@@ -117,6 +119,7 @@ def test_top_k_keeps_exactly_the_tokens_with_fewer_than_k_strictly_larger_logits
             assert filtered_row[i].item() == torch.tensor(row_logits[i]).item()
 
 
+@SAMPLING_SETTINGS
 @given(batch=logit_batches(), data=st.data())
 def test_top_p_keeps_the_smallest_likely_prefix_reaching_p(batch, data):
     """Top-p keeps a prefix of the tokens sorted by likelihood (ties by token id).
@@ -156,6 +159,7 @@ def test_top_p_on_exact_boundaries(logits, p, expected):
     assert kept_token_ids(filtered[0]) == expected
 
 
+@SAMPLING_SETTINGS
 @given(batch=logit_batches(), data=st.data())
 def test_min_p_keeps_tokens_at_least_min_p_times_the_top_probability(batch, data):
     """Min-p keeps token i exactly when p_i >= min_p * max_j p_j (the top token always stays)."""
@@ -205,6 +209,7 @@ def reference_support(logits: list[float], params: SamplingParams, slack: float 
     return {i for i in alive if math.exp(scaled[i] - top) >= params.min_p - slack}
 
 
+@SAMPLING_SETTINGS
 @given(
     logits=st.lists(any_logit, min_size=2, max_size=10),
     temperature=st.floats(0.1, 2.0),
@@ -291,6 +296,7 @@ def test_temperature_scales_the_logits_before_top_k_top_p_and_min_p(knobs, expec
     )
 
 
+@SAMPLING_SETTINGS
 @given(
     logits=st.lists(st.integers(-12, 12).map(lambda quarter: quarter / 4), min_size=2, max_size=8),
     temperature=st.sampled_from([0.25, 0.5, 0.8, 1.5, 2.0, 4.0]),
@@ -481,6 +487,7 @@ def test_penalties_on_a_hand_worked_example():
     assert penalised.tolist() == [[1.0, -2.0, 0.5, 0.25, -4.75]]
 
 
+@SAMPLING_SETTINGS
 @given(batch=logit_batches(max_vocab=8), data=st.data())
 def test_penalties_match_their_definitions(batch, data):
     """Random logits, histories and penalties agree with the token-by-token definition."""
@@ -567,6 +574,7 @@ def test_min_tokens_also_bans_stop_ids_for_random_sampling():
 # --- greedy and logprobs ---
 
 
+@SAMPLING_SETTINGS
 @given(batch=logit_batches(), data=st.data())
 def test_greedy_rows_take_the_argmax_even_beside_random_rows(batch, data):
     """Temperature 0 (or below vLLM's 1e-5 threshold) is argmax, first index on ties."""
@@ -580,6 +588,7 @@ def test_greedy_rows_take_the_argmax_even_beside_random_rows(batch, data):
             assert token == first_argmax(row_logits)
 
 
+@SAMPLING_SETTINGS
 @given(batch=logit_batches(values=grid_logit), data=st.data())
 def test_logprobs_report_the_log_softmax_around_the_sampled_token(batch, data):
     """Logprobs are log_softmax of the logits (before temperature), for greedy and random rows.
