@@ -20,6 +20,8 @@ from minivllm.utils import as_int, float_in, int_at_least, reject
 # model_type in config.json -> the switches that family turns on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# vLLM's logprobs_mode values: what reported logprobs are computed from (sample/sampler.py).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # "auto" and the names registered in attention/backend.py (a test keeps the two in step).
 ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton", "flex")
 # RoPE variants whose frequencies do not depend on the sequence length, so they can be computed
@@ -180,6 +182,9 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 # vocabulary; layer_skip: the target's own first layers and LM head (self-speculation).
 SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip")
 
+# vLLM's n-gram lookup length when neither prompt_lookup_min nor prompt_lookup_max is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
 
 @dataclass
 class SpeculativeConfig:
@@ -187,10 +192,20 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 3  # draft tokens proposed per step
-    prompt_lookup_min: int = 2  # n-gram: shortest suffix worth matching
-    prompt_lookup_max: int = 4  # n-gram: longest suffix tried first
+    # n-gram: the shortest suffix worth matching and the longest tried first. As in vLLM, both
+    # default to 5 and a single given value sets the other too.
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     model: str | None = None  # draft_model: the draft's Hugging Face directory
     num_draft_layers: int | None = None  # layer_skip: how many of the target's layers draft
+
+    def __post_init__(self) -> None:
+        if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
+            self.prompt_lookup_min = self.prompt_lookup_max = DEFAULT_PROMPT_LOOKUP
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
 
     @property
     def uses_draft_model(self) -> bool:
@@ -303,6 +318,13 @@ class EngineConfig:
         1, "processes (devices) each layer is split across, one KV-head share each"
     )
     data_parallel_size: int = setting(1, "engine replicas, each in its own process(es)")
+    logprobs_mode: str = setting(
+        "raw_logprobs",
+        "what logprobs report: the model's own logits (raw) or those a token was chosen from "
+        "(processed: after logit_bias, penalties, the min_tokens ban, temperature, top-k/p), "
+        "as logprobs or as logits",
+        LOGPROBS_MODES,
+    )
     speculative_config: dict | str | None = setting(
         None,
         'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", '

@@ -48,8 +48,11 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"
+    # "stop" (EOS, stop token, stop string, a complete grammar), "length", "abort", or "error"
+    # (vLLM's FinishReason.ERROR: a fault of this sequence alone, told in `error`).
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # with finish_reason "error": what went wrong, in one line
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -66,7 +69,19 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
-    prompt_logprobs: None = field(default=None, repr=False)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing predicts it); entry i holds prompt token i and the top tokens given tokens < i.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None, repr=False)
+
+
+@dataclass
+class PromptLogprobsChunk:
+    """The logprobs of consecutive prompt tokens scored in one step: tokens[j] is prompt
+    token start + j under the model's distribution at the position before it (its
+    `sampled_token_id` is that prompt token)."""
+
+    start: int
+    tokens: list[TokenLogprobs]
 
 
 @dataclass
@@ -79,3 +94,7 @@ class ModelRunnerOutput:
     logprobs: dict[str, list[TokenLogprobs] | None] = field(default_factory=dict)
     # Chapter 08: request id -> draft tokens proposed for the next step.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Request id -> why it cannot go on (nothing could be sampled): it ends with that error.
+    errors: dict[str, str] = field(default_factory=dict)
+    # Requests with prompt_logprobs whose step computed prompt tokens: their new entries.
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)

@@ -20,6 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minivllm.sample.sampling_params import SamplingParams
 
 # What a UTF-8 decoder produces for bytes that do not (yet) form a whole character.
 REPLACEMENT_CHAR = "\ufffd"
@@ -39,14 +43,25 @@ class StopMatch:
     start: int  # index in the text of the stop string's first character
 
 
+# Arguments of `tokenizer.apply_chat_template` that a template option must not replace.
+RESERVED_TEMPLATE_ARGUMENTS = ("conversation", "add_generation_prompt", "tokenize", "tools")
+
+
 def apply_chat_template(
-    tokenizer, messages: list[dict], add_generation_prompt: bool = True
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[int]:
     """The token ids of a conversation, formatted by the tokenizer's own chat template.
 
-    `messages` is a list of {"role": str, "content": str} dicts. With `add_generation_prompt`
-    the ids end with the header of an assistant turn (for SmolLM2, "<|im_start|>assistant\\n"),
-    so the model's next tokens are the assistant's answer.
+    `messages` is a list of {"role": str, "content": str} dicts (an assistant turn may also
+    carry "tool_calls", a tool's answer "tool_call_id"). With `add_generation_prompt` the ids
+    end with the header of an assistant turn (for SmolLM2, "<|im_start|>assistant\\n"), so the
+    model's next tokens are the assistant's answer. `tools` (OpenAI's function definitions)
+    are given to the template, which decides how the model sees them, and `template_kwargs`
+    are the template's own options (vLLM's `chat_template_kwargs`, e.g. enable_thinking).
     """
     _validate_messages(messages)
     if not getattr(tokenizer, "chat_template", None):
@@ -54,8 +69,16 @@ def apply_chat_template(
             "this tokenizer has no chat template, so it cannot format a conversation; "
             "give a plain text prompt instead, or use a chat (instruct) model"
         )
+    template_kwargs = dict(template_kwargs or {})
+    reserved = [name for name in template_kwargs if name in RESERVED_TEMPLATE_ARGUMENTS]
+    if reserved:
+        raise ValueError(f"chat_template_kwargs must not set {', '.join(reserved)}")
     encoded = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tokenize=True,
+        tools=tools,
+        **template_kwargs,
     )
     # transformers 5 returns a BatchEncoding (a mapping with "input_ids"); 4.x returned the
     # list itself.
@@ -136,6 +159,20 @@ class IncrementalDetokenizer:
         self._stop_checked_len = 0  # the text before this index holds no stop string
         self._matched_stop: str | None = None
         self._num_chars_taken = 0  # how much of the text take_new_text has returned
+
+    @classmethod
+    def for_params(
+        cls, tokenizer, prompt_token_ids: list[int], params: SamplingParams
+    ) -> IncrementalDetokenizer:
+        """The detokenizer of one sequence of a request with these sampling parameters."""
+        return cls(
+            tokenizer,
+            prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            min_tokens=params.min_tokens,
+        )
 
     @property
     def output_text(self) -> str:

@@ -10,16 +10,23 @@ nothing is left after the requests end or are aborted.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty, chat_prompt_ids
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.config import EngineConfig
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.request import Request
+from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.models.tiny import make_tiny_model
+from minivllm.spec_decode.draft_model_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
-from minivllm.spec_decode.rejection_sampler import rejection_sample
+from minivllm.spec_decode.rejection_sampler import draw, rejection_sample
+from minivllm.structured_output.manager import StructuredOutputManager, apply_token_bitmasks
 from minivllm.utils import cdiv
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
@@ -365,9 +372,11 @@ def test_embedded_model_with_speculation_gives_transformers_greedy_tokens(
     prompt = chat_prompt_ids(
         tokenizer, "Repeat after me, word for word: the quick brown fox jumps over the lazy dog."
     )
+    # Short n-grams (vLLM's default is 5): the model's answer drops a word of the prompt, so
+    # only a match of at most 4 tokens proposes drafts it accepts.
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2}
     llm = LLM(
-        speculative_config={"method": "ngram", "num_speculative_tokens": 4},
-        kv_cache_memory_bytes=256 * 1024**2,
+        speculative_config={**ngram, "prompt_lookup_max": 4}, kv_cache_memory_bytes=256 * 1024**2
     )
     output = llm.generate(
         {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=20)
@@ -429,3 +438,145 @@ def _resample_from_target_everywhere(target_probs, draft_token_ids, draft_probs,
         return emitted
     emitted.append(int(torch.multinomial(target_probs[-1], 1, generator=generator)))
     return emitted
+
+
+# --- drafts under a grammar (chapter 10) ---------------------------------------------------------
+
+GRAMMAR_TRIALS = 20000
+
+
+def constrained_request(tokenizer, spec: StructuredOutputsParams) -> Request:
+    """A sampled request with a grammar, as the engine makes one (its compile awaited)."""
+    request = Request.create(
+        "r", None, [5, 6], SamplingParams(temperature=1.0), tokenizer, (2,), max_model_len=64
+    )
+    request.grammar = StructuredOutputManager(tokenizer, len(tokenizer)).grammar_for(spec)
+    request.grammar.matcher  # noqa: B018 (waits for the compile)
+    return request
+
+
+def first_token_under_a_grammar(scheduler, request, token_ids, p, q, seed: int) -> list[int]:
+    """The first emitted token over many trials, as the engine makes it: a draft drawn from q
+    (a draft model that knows nothing of the grammar), kept or cut by the scheduler, then
+    verified against the masked target p, or, when cut, sampled from p directly. p and q live
+    on the few tokens `token_ids` that carry their mass (a draw over the whole vocabulary
+    costs a thousand times more); the scheduler sees the real token ids."""
+    generator = torch.Generator().manual_seed(seed)
+    emitted = []
+    for _ in range(GRAMMAR_TRIALS):
+        draft = draw(q, generator)
+        if scheduler._draft_room(request, [token_ids[draft]]):
+            emitted.append(rejection_sample(torch.stack([p, p]), [draft], q[None], generator)[0])
+        else:
+            emitted.append(draw(p, generator))
+    return emitted
+
+
+def test_a_sampled_draft_the_grammar_forbids_is_verified_not_cut(tokenizer):
+    """The target puts equal weight on "yes", "no" and "maybe"; the grammar allows the first
+    two, so p = [0.5, 0.5, 0]. The draft's q = [0.9, 0, 0.1] (on "yes", "no", "maybe"). Cutting
+    the forbidden "maybe" and sampling p there gives 0.55 / 0.45; keeping it, the verifier
+    rejects it (p = 0) and draws from the residual max(0, p - q), and the output follows p. The
+    cut is the rule for certain (n-gram) drafts, where it is exact: run with it, the same draws
+    land far from p."""
+    token_ids = [tokenizer.encode(w, add_special_tokens=False)[0] for w in ("yes", "no", "maybe")]
+    request = constrained_request(tokenizer, StructuredOutputsParams(choice=["yes", "no"]))
+    logits = torch.full((1, len(tokenizer)), float("-inf"))
+    logits[0, token_ids] = 0.0
+    apply_token_bitmasks(logits, [0], request.grammar.token_bitmasks([]))
+    p = logits[0].softmax(dim=-1)[token_ids]
+    assert p.tolist() == [0.5, 0.5, 0.0]  # the mask did it
+    q = torch.tensor([0.9, 0.0, 0.1])
+    emitted = {}
+    for drafts_are_sampled in (True, False):
+        config = SchedulerConfig(num_lookahead_tokens=1, drafts_are_sampled=drafts_are_sampled)
+        scheduler = Scheduler(config, KVCacheManager(16, 4))
+        emitted[drafts_are_sampled] = first_token_under_a_grammar(
+            scheduler, request, token_ids, p, q, seed=1
+        )
+    # With 20,000 draws the sampling noise in total variation is about 0.004; the cut is off
+    # by 0.05.
+    assert total_variation(emitted[True], p) < 0.015
+    assert total_variation(emitted[False], p) > 0.04
+
+
+def test_a_sampled_draft_model_under_a_grammar_is_verified_and_rolled_back(
+    tiny_model_dirs, tiny_draft_dir
+):
+    """A random draft knows nothing of the grammar: almost all its drafts are forbidden. A
+    sampled request keeps the first forbidden one to be verified (so drafts are tested at
+    all), the verifier rejects it, and the grammar, rolled back, still gives full matches."""
+    phone = StructuredOutputsParams(regex=r"\d{3}-\d{4}")
+    draft = {"method": "draft_model", "model": str(tiny_draft_dir), "num_speculative_tokens": 3}
+    eng = engine(tiny_model_dirs[ENGINE_TEST_FAMILY], speculative_config=draft)
+    params = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=16, structured_outputs=phone)
+        for seed in range(4)
+    ]
+    for i, (prompt, request_params) in enumerate(zip(COPY_PROMPTS, params)):
+        eng.add_request(str(i), prompt, request_params)
+    finished = {}
+    while eng.has_unfinished_requests():
+        for output in eng.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0]
+    stats = eng.scheduler.spec_decode_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens < stats.num_draft_tokens
+    for output in finished.values():
+        assert re.fullmatch(r"\d{3}-\d{4}", output.text), output
+        assert output.finish_reason == "stop"
+    assert_pool_is_empty(eng)
+
+
+# --- the draft model's catch-up -----------------------------------------------------------------
+
+
+def test_the_draft_models_catch_up_stays_within_the_token_budget(
+    tiny_model_dirs, tiny_draft_dir, monkeypatch
+):
+    """The target finds a shared prompt in the prefix cache, or prefills it in chunks of the
+    step's budget; the draft has read none of it. It catches up in chunks under the same
+    budget, over several steps (no drafts until it has), and greedy tokens stay those of plain
+    decoding."""
+    budget = 32
+    sizes = []
+    forward = DraftModelProposer.forward
+
+    def counting_forward(self, block_tables, chunks):
+        sizes.append(sum(len(tokens) for tokens, _ in chunks))
+        return forward(self, block_tables, chunks)
+
+    monkeypatch.setattr(DraftModelProposer, "forward", counting_forward)
+    target = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    shared = list(range(1000, 1150))
+    prompts = [{"prompt_token_ids": shared + [50 + i, 60 + i]} for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    settings = dict(max_num_batched_tokens=budget, max_num_seqs=8)
+    plain = run_checking_blocks(engine(target, **settings), prompts, params)
+    itself = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 2}
+    eng = engine(target, speculative_config=itself, **settings)
+    assert run_checking_blocks(eng, prompts, params) == plain
+    assert max(sizes) <= budget
+    assert sum(sizes) >= len(shared)  # the draft did read the prompt
+    assert eng.scheduler.spec_decode_stats.num_accepted_tokens > 0
+
+
+def test_memory_profiling_runs_the_draft_model_at_the_full_token_budget(tiny_model_dirs):
+    """On a GPU the KV pool gets what a forward of the largest batch leaves; the draft model's
+    catch-up forward is as large as the target's, so the profile runs it too."""
+    target = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    itself = {"method": "draft_model", "model": str(target), "num_speculative_tokens": 2}
+    eng = engine(target, speculative_config=itself, max_num_batched_tokens=48)
+    worker = eng.executor.driver_worker
+    seen = {}
+    for name, model in (("target", worker.model), ("draft", worker.draft_model)):
+        forward = model.forward
+
+        def recording_forward(input_ids, *args, _name=name, _forward=forward, **kwargs):
+            seen[_name] = len(input_ids)
+            return _forward(input_ids, *args, **kwargs)
+
+        model.forward = recording_forward
+    worker.run_largest_batch()
+    assert seen == {"target": 48, "draft": 48}

@@ -208,6 +208,7 @@ BAD_REQUESTS = {
     "top_p = 0": ("/v1/completions", {**COMPLETION, "top_p": 0.0}, 400, "top_p"),
     "top_p > 1": ("/v1/chat/completions", {**CHAT, "top_p": 1.5}, 400, "top_p"),
     "n = 0": ("/v1/completions", {**COMPLETION, "n": 0}, 400, "n"),
+    "n > 128": ("/v1/chat/completions", {**CHAT, "n": 466201}, 400, "n"),
     "empty prompt": ("/v1/completions", {**COMPLETION, "prompt": ""}, 400, None),
     "prompt longer than the context": (
         "/v1/completions",
@@ -454,7 +455,7 @@ def test_data_parallel_replicas_serve_behind_the_same_api(model_dir, tiny_llm):
 
         with ThreadPoolExecutor(len(prompts)) as pool:
             assert list(pool.map(complete, prompts)) == expected
-        per_replica = engine.call_engine(lambda dp: dp.get_replica_metrics())
+        per_replica = engine.get_replica_metrics()
         for metrics in per_replica:
             values = {m.name: m.value for m in metrics}
             assert values["vllm:prompt_tokens"] > 0, "a replica was never used"

@@ -350,3 +350,66 @@ def test_a_slow_compile_holds_up_only_its_own_request(tiny_model_dirs, monkeypat
                 finished[output.request_id] = output
     assert finished["slow"].outputs[0].text in ("alpha", "beta")
     assert_pool_is_empty(engine)
+
+
+def one_field_schema(i: int) -> StructuredOutputsParams:
+    """A per-request schema, as clients that generate field names send them."""
+    return StructuredOutputsParams(
+        json={"type": "object", "properties": {f"field_{i}": {"type": "integer"}}}
+    )
+
+
+def test_compiled_grammars_are_evicted_beyond_the_cache_budget(tokenizer):
+    """Thirty distinct schemas into a cache with room for about three: it keeps to its budget
+    (by xgrammar's own count of each compile's bytes), the least recently used go first, a
+    request that holds an evicted grammar still uses it, and an evicted spec compiles again."""
+    probe = StructuredOutputManager(tokenizer, len(tokenizer)).grammar_for(one_field_schema(0))
+    one_grammar = probe._compiled.result().memory_size_bytes
+    manager = StructuredOutputManager(tokenizer, len(tokenizer), cache_limit_bytes=3 * one_grammar)
+    specs = [one_field_schema(i) for i in range(30)]
+    grammars = []
+    for spec in specs:
+        grammars.append(manager.grammar_for(spec))
+        grammars[-1].matcher  # noqa: B018 (waits for the compile)
+    manager.grammar_for(specs[-1])  # the cache takes stock of the last compile
+    sizes = {spec.key(): g._compiled.result().memory_size_bytes for spec, g in zip(specs, grammars)}
+    held = [key for key in sizes if key in manager.cache]
+    assert 1 <= len(held) <= 4 and sum(sizes[key] for key in held) <= 3 * one_grammar
+    assert specs[-1].key() in manager.cache and specs[0].key() not in manager.cache
+    # The first request's grammar was evicted long ago; it still walks its schema.
+    for token in tokenizer.encode('{"field_0": 7}', add_special_tokens=False):
+        assert grammars[0].accept(token)
+    compiles = manager.num_compiles
+    again = manager.grammar_for(specs[0])
+    assert manager.num_compiles == compiles + 1
+    for token in tokenizer.encode('{"field_0": 7}', add_special_tokens=False):
+        assert again.accept(token)
+
+
+def test_the_grammar_cache_budget_defaults_to_vllms(tokenizer, monkeypatch):
+    assert StructuredOutputManager(tokenizer, len(tokenizer)).cache.limit_bytes == 512 * 2**20
+    monkeypatch.setenv("VLLM_XGRAMMAR_CACHE_MB", "64")
+    assert StructuredOutputManager(tokenizer, len(tokenizer)).cache.limit_bytes == 64 * 2**20
+
+
+def test_a_kept_forbidden_draft_gets_the_mask_that_forbids_it(tokenizer):
+    """A draft drawn from a draft model's q is kept at the first token the grammar forbids (the
+    verifier must reject it there, chapter 08); its row forbids it, the row after it allows
+    everything (it is never sampled), and the matcher is left where it was."""
+    manager = StructuredOutputManager(tokenizer, len(tokenizer))
+    grammar = manager.grammar_for(StructuredOutputsParams(regex=PHONE))
+    digits = [tokenizer.convert_tokens_to_ids(d) for d in "5551234"]
+    dash = tokenizer.convert_tokens_to_ids("-")
+    before = grammar.token_bitmasks([])
+    drafts = grammar.valid_drafts(digits[:2] + [dash, dash], keep_forbidden=True)
+    assert drafts == digits[:2] + [dash]
+    masks = grammar.token_bitmasks(drafts)
+
+    def allows(row: int, token: int) -> bool:
+        return bool((int(masks[row][token // 32]) >> (token % 32)) & 1)
+
+    assert allows(2, digits[0]) and not allows(2, dash)
+    assert bool((masks[3] == -1).all())
+    assert grammar.token_bitmasks([]).equal(before)
+    for token in digits[:3] + [dash]:  # the emitted tokens still walk the grammar
+        assert grammar.accept(token)

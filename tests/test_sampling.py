@@ -516,12 +516,13 @@ def test_penalties_match_their_definitions(batch, data):
 
 
 def test_the_sampler_applies_penalties_before_choosing():
-    """A repetition penalty turns greedy away from a token it has already produced."""
+    """A repetition penalty turns greedy away from a token it has already produced (and the
+    processed logprobs report the penalised distribution)."""
     logits = torch.tensor([[2.0, 1.5, 0.0], [2.0, 1.5, 0.0]])
     plain = SamplingParams(temperature=0.0)
     penalised = SamplingParams(temperature=0.0, repetition_penalty=2.0, logprobs=1)
 
-    result = Sampler()(
+    result = Sampler(logprobs_mode="processed_logprobs")(
         logits, [sampling_row(plain, output=[0]), sampling_row(penalised, output=[0])]
     )
 
@@ -668,6 +669,9 @@ INVALID_PARAMS = [
     ("min_p", {"min_p": 1.1}),
     ("seed", {"seed": 1.0}),
     ("seed", {"seed": "42"}),
+    ("seed", {"seed": 2**64}),
+    ("seed", {"seed": -(2**63) - 1}),
+    ("seed", {"seed": 2**64 - 1, "n": 2}),  # completion 1 would get seed 2**64
     ("max_tokens", {"max_tokens": 0}),
     ("max_tokens", {"max_tokens": True}),
     ("min_tokens", {"min_tokens": -1}),
@@ -682,6 +686,16 @@ INVALID_PARAMS = [
     ("ignore_eos", {"ignore_eos": "yes"}),
     ("logprobs", {"logprobs": -1}),
     ("logprobs", {"logprobs": 2.0}),
+    ("prompt_logprobs", {"prompt_logprobs": -2}),
+    ("prompt_logprobs", {"prompt_logprobs": 1.0}),
+    ("prompt_logprobs", {"prompt_logprobs": False}),
+    ("logit_bias", {"logit_bias": [5, 1.0]}),
+    ("logit_bias", {"logit_bias": {"5": 1.0}}),
+    ("logit_bias", {"logit_bias": {-1: 1.0}}),
+    ("logit_bias", {"logit_bias": {True: 1.0}}),
+    ("logit_bias", {"logit_bias": {5: math.nan}}),
+    ("logit_bias", {"logit_bias": {5: math.inf}}),
+    ("logit_bias", {"logit_bias": {5: "high"}}),
     ("presence_penalty", {"presence_penalty": 2.5}),
     ("presence_penalty", {"presence_penalty": -2.1}),
     ("frequency_penalty", {"frequency_penalty": -3.0}),
@@ -690,6 +704,8 @@ INVALID_PARAMS = [
     ("repetition_penalty", {"repetition_penalty": -1.0}),
     ("skip_special_tokens", {"skip_special_tokens": None}),
     ("include_stop_str_in_output", {"include_stop_str_in_output": 1}),
+    ("detokenize", {"detokenize": "no"}),
+    ("stop", {"stop": ["###"], "detokenize": False}),  # a stop string is found in text
 ]
 
 
@@ -739,3 +755,100 @@ def test_make_generator_is_reproducible():
     first = torch.rand(5, generator=make_generator(11))
     second = torch.rand(5, generator=make_generator(11))
     assert torch.equal(first, second)
+
+
+def test_the_extremes_of_torchs_seed_range_are_accepted_and_sample():
+    """-2**63 and 2**64 - 1 are seeds torch's generator takes, so they are valid (with n = 1)."""
+    for seed in (-(2**63), 2**64 - 1):
+        params = SamplingParams(seed=seed, n=1)
+        row = sampling_row(params, generator=make_generator(params.seed))
+        assert Sampler()(torch.zeros(1, 4), [row]).token_ids[0] in range(4)
+
+
+def test_prompt_logprobs_belong_to_the_first_of_n_completions():
+    """Siblings share the prompt: only completion 0 scores it; seeds still step by one."""
+    params = SamplingParams(n=3, seed=7, prompt_logprobs=2)
+    siblings = [params.for_completion(i) for i in range(3)]
+    assert [p.prompt_logprobs for p in siblings] == [2, None, None]
+    assert [p.seed for p in siblings] == [7, 8, 9]
+
+
+# --- logit_bias ---
+
+
+def test_logit_bias_forces_and_bans_tokens_before_choosing():
+    """+100 on a token makes it greedy's choice; -100 on the argmax hands it to the runner-up.
+    The processed logprobs are those of the biased logits; the raw ones ignore the bias."""
+    logits = torch.tensor([[2.0, 1.5, 0.0]] * 3)
+    params = [
+        SamplingParams(temperature=0.0, logprobs=0, logit_bias={2: 100.0}),
+        SamplingParams(temperature=0.0, logprobs=0, logit_bias={0: -100.0}),
+        SamplingParams(temperature=0.0, logprobs=0),
+    ]
+    rows = [sampling_row(p) for p in params]
+
+    processed = Sampler(logprobs_mode="processed_logprobs")(logits, rows)
+    raw = Sampler()(logits, rows)
+
+    assert processed.token_ids == raw.token_ids == [2, 1, 0]
+    biased = [[2.0, 1.5, 100.0], [-98.0, 1.5, 0.0], [2.0, 1.5, 0.0]]
+    for row, token, row_logits in zip(range(3), [2, 1, 0], biased, strict=True):
+        expected = log_softmax(row_logits)[token]
+        assert processed.logprobs[row].sampled_logprob == pytest.approx(expected, abs=1e-5)
+        assert raw.logprobs[row].sampled_logprob == pytest.approx(
+            log_softmax([2.0, 1.5, 0.0])[token], abs=1e-5
+        )
+
+
+def test_logit_bias_shifts_random_draws():
+    """-100 on the likeliest token: 2000 draws never pick it, and the others still turn up."""
+    draws = 2000
+    logits = torch.tensor([[3.0, 1.0, 1.0, 0.0]] * draws)
+    params = SamplingParams(temperature=1.0, logit_bias={0: -100.0})
+
+    tokens = Sampler(make_generator(12))(logits, [sampling_row(params)] * draws).token_ids
+
+    assert set(tokens) == {1, 2, 3}
+
+
+# --- logprobs_mode ---
+
+
+def test_logprobs_modes_report_raw_or_processed_logits_and_logprobs():
+    """vLLM's four modes on one greedy and one random row, with a repetition penalty, a bias
+    and min_tokens: raw reads the model's logits as they came, processed reads what the token
+    was chosen from (for the random row after temperature and top-k too), and the _logits
+    modes give the values themselves instead of their log_softmax."""
+    raw_logits = [3.0, 2.0, 1.0, -1.0]
+    greedy = SamplingParams(
+        temperature=0.0, repetition_penalty=2.0, logit_bias={3: 0.5}, min_tokens=1, logprobs=4
+    )
+    random = SamplingParams(temperature=0.5, top_k=2, repetition_penalty=2.0, logprobs=4)
+    rows = [sampling_row(greedy, prompt=[0], eos=[1]), sampling_row(random, prompt=[0])]
+    # Greedy row: token 0 (in the prompt) 3 / 2, eos banned, 1 as it is, -1 + the 0.5 bias.
+    greedy_processed = [1.5, -math.inf, 1.0, -0.5]
+    # Random row: token 0 penalised to 1.5, then / 0.5, then only the two largest survive.
+    random_processed = [3.0, 4.0, -math.inf, -math.inf]
+    expected = {
+        "raw_logits": [raw_logits, raw_logits],
+        "raw_logprobs": [log_softmax(raw_logits), log_softmax(raw_logits)],
+        "processed_logits": [greedy_processed, random_processed],
+        "processed_logprobs": [log_softmax(greedy_processed), log_softmax(random_processed)],
+    }
+    logits = torch.tensor([raw_logits, raw_logits])
+    for mode, rows_expected in expected.items():
+        result = Sampler(make_generator(13), logprobs_mode=mode)(logits, rows)
+        assert result.token_ids[0] == 0
+        assert result.token_ids[1] in (0, 1)
+        for logprobs, reference in zip(result.logprobs, rows_expected, strict=True):
+            reported = dict(logprobs.top)
+            assert len(reported) == 4, mode
+            for token_id, value in enumerate(reference):
+                assert reported[token_id] == pytest.approx(value, abs=1e-5), (mode, token_id)
+            token = logprobs.sampled_token_id
+            assert logprobs.sampled_logprob == pytest.approx(reference[token], abs=1e-5)
+
+
+def test_an_unknown_logprobs_mode_is_refused():
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        Sampler(logprobs_mode="processed")

@@ -3,8 +3,12 @@
 A `Request` is one sequence: its prompt ids, the tokens generated so far, its sampling
 parameters, its own random generator (when seeded) and its incremental detokenizer. The
 engine appends one token at a time and asks `check_stop` whether the sequence is done; the
-rules (EOS, stop token ids, stop strings, a completed grammar, max_tokens, the model's context) are the same
-whichever engine produced the token, so they live here once.
+rules (EOS, stop token ids, stop strings, a completed grammar, max_tokens, the model's context)
+are the same whichever engine produced the token, so they live here once.
+
+With `params.detokenize` False there is no detokenizer: the sequence has token ids only, and
+only the token-level rules apply. The server's engine core runs requests so; its front end
+makes the text and checks the stop strings (chapter 09, engine/output_processor.py).
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from minivllm.outputs import CompletionOutput, Logprob, RequestMetrics
+from minivllm.outputs import CompletionOutput, Logprob, PromptLogprobsChunk, RequestMetrics
 from minivllm.sample.sampler import TokenLogprobs
 from minivllm.sample.sampling_params import SamplingParams
 from minivllm.sequence import SequenceTokens, own_generator
@@ -39,15 +44,19 @@ class Request(SequenceTokens):
     params: SamplingParams
     eos_token_ids: tuple[int, ...]
     max_model_len: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None with params.detokenize False
+    tokenizer: Any = None  # decodes the logprobs' tokens (with a detokenizer)
     index: int = 0  # which of the parent request's n completions this is
     parent_request_id: str | None = None  # the user's id; request_id is this sequence's own
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    # With params.prompt_logprobs: one entry per prompt token scored so far (None for the first).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # with finish_reason "error": what went wrong, in one line
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     # Scheduling state (chapter 04): tokens whose K/V are in the cache, and the queue position.
     status: RequestStatus = RequestStatus.WAITING
@@ -77,14 +86,9 @@ class Request(SequenceTokens):
     ) -> Request:
         # (Completion i of an n > 1 request comes with params.for_completion(i), its own seed.)
         generator = own_generator(params)
-        detokenizer = IncrementalDetokenizer(
-            tokenizer,
-            prompt_token_ids,
-            skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop,
-            include_stop_str_in_output=params.include_stop_str_in_output,
-            min_tokens=params.min_tokens,
-        )
+        detokenizer = None
+        if params.detokenize:
+            detokenizer = IncrementalDetokenizer.for_params(tokenizer, prompt_token_ids, params)
         request = cls(
             request_id=request_id,
             prompt=prompt,
@@ -92,6 +96,7 @@ class Request(SequenceTokens):
             params=params,
             eos_token_ids=eos_token_ids,
             max_model_len=max_model_len,
+            tokenizer=tokenizer,
             detokenizer=detokenizer,
             index=index,
             generator=generator,
@@ -99,6 +104,8 @@ class Request(SequenceTokens):
         request.metrics.num_prompt_tokens = len(prompt_token_ids)
         if params.logprobs is not None:
             request.logprobs, request.cumulative_logprob = [], 0.0
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # nothing predicts the first prompt token
         return request
 
     @property
@@ -116,7 +123,12 @@ class Request(SequenceTokens):
         return room if self.params.max_tokens is None else min(self.params.max_tokens, room)
 
     def append_token(self, token_id: int, token_logprobs: TokenLogprobs | None = None) -> None:
-        """Record a sampled token, its logprobs, and whether it ends the sequence."""
+        """Record a sampled token, its logprobs, and whether it ends the sequence. A token the
+        sequence's grammar forbids (chapter 10; its mask should have stopped it) is not
+        recorded: the sequence ends with an error instead."""
+        if self.grammar is not None and not self.grammar.accept(token_id):
+            self.finish_with_error(f"token {token_id} was emitted although the grammar forbids it")
+            return
         now = time.monotonic()
         if not self.output_token_ids:
             self.metrics.first_token_time = now
@@ -124,27 +136,53 @@ class Request(SequenceTokens):
         self.metrics.num_generation_tokens += 1
         if token_logprobs is not None:
             self._record_logprobs(token_logprobs)
-        if self.grammar is not None:  # chapter 10
-            self.grammar.accept(token_id)
         self._check_stop(token_id)
         if self.is_finished:
             self.metrics.finished_time = now
 
+    def finish_with_error(self, message: str) -> None:
+        """End this sequence alone, finish_reason "error" (vLLM's FinishReason.ERROR): a fault
+        of its own (its grammar, its logits) must not stop the engine or its batch."""
+        self.finish_reason, self.error = "error", message
+        self.metrics.finished_time = time.monotonic()
+
     def _record_logprobs(self, token_logprobs: TokenLogprobs) -> None:
-        tokenizer = self.detokenizer.tokenizer
+        self.logprobs.append(self._logprob_entries(token_logprobs))
+        self.cumulative_logprob += token_logprobs.sampled_logprob
+
+    def record_prompt_logprobs(self, chunk: PromptLogprobsChunk) -> None:
+        """Append the entries of the prompt tokens a step scored (the runner scores each
+        prompt token once, in order, even when a preempted prompt is recomputed)."""
+        assert chunk.start == len(self.prompt_logprobs), (
+            f"{self.request_id}: prompt logprobs from token {chunk.start}, "
+            f"{len(self.prompt_logprobs)} recorded"
+        )
+        self.prompt_logprobs += [self._logprob_entries(t) for t in chunk.tokens]
+
+    @property
+    def has_all_prompt_logprobs(self) -> bool:
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) == len(
+            self.prompt_token_ids
+        )
+
+    def _logprob_entries(self, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
+        """The top tokens by rank, then the chosen token (sampled, or the prompt's) if it is
+        not among them, each with its text (when the sequence is detokenized)."""
         entries = {
-            token_id: Logprob(logprob, rank, tokenizer.decode([token_id]))
+            token_id: Logprob(logprob, rank, self._decoded_token(token_id))
             for rank, (token_id, logprob) in enumerate(token_logprobs.top, start=1)
         }
-        sampled = token_logprobs.sampled_token_id
-        if sampled not in entries:
-            entries[sampled] = Logprob(
+        chosen = token_logprobs.sampled_token_id
+        if chosen not in entries:
+            entries[chosen] = Logprob(
                 token_logprobs.sampled_logprob,
                 token_logprobs.sampled_rank,
-                tokenizer.decode([sampled]),
+                self._decoded_token(chosen),
             )
-        self.logprobs.append(entries)
-        self.cumulative_logprob += token_logprobs.sampled_logprob
+        return entries
+
+    def _decoded_token(self, token_id: int) -> str | None:
+        return None if self.detokenizer is None else self.tokenizer.decode([token_id])
 
     def _check_stop(self, token_id: int) -> None:
         """The stop rules, in vLLM's order. Before min_tokens nothing stops a sequence (the
@@ -158,12 +196,17 @@ class Request(SequenceTokens):
             if token_id in params.stop_token_ids:
                 self.finish_reason, self.stop_reason = "stop", token_id
                 return
-        matched_stop_string = self.detokenizer.append_token(token_id)
-        if matched_stop_string is not None:
-            self.finish_reason, self.stop_reason = "stop", matched_stop_string
-        elif self.grammar is not None and self.grammar.is_terminated:  # chapter 10: complete
+        if self.grammar is not None and self.grammar.is_terminated:
+            # Chapter 10: the grammar is complete and took its end token, even short of
+            # min_tokens (the sampler lets the end through when nothing else is allowed).
             self.finish_reason = "stop"
-        elif len(self.output_token_ids) >= self.max_tokens:
+            return
+        if self.detokenizer is not None:  # without one, chapter 09's front end has the text
+            matched_stop_string = self.detokenizer.append_token(token_id)
+            if matched_stop_string is not None:
+                self.finish_reason, self.stop_reason = "stop", matched_stop_string
+                return
+        if len(self.output_token_ids) >= self.max_tokens:
             self.finish_reason = "length"
 
     def completion_output(self) -> CompletionOutput:
@@ -171,10 +214,11 @@ class Request(SequenceTokens):
         EOS or stop token while the text does not."""
         return CompletionOutput(
             index=self.index,
-            text=self.detokenizer.output_text,
+            text="" if self.detokenizer is None else self.detokenizer.output_text,
             token_ids=list(self.output_token_ids),
             cumulative_logprob=self.cumulative_logprob,
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            error=self.error,
         )

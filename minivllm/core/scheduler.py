@@ -45,6 +45,9 @@ class SchedulerConfig:
     # Chapter 08: slots reserved past a grant that reaches the end of a request's tokens, where
     # a draft model writes the K/V of its guesses (k with a draft model, 0 otherwise).
     num_lookahead_tokens: int = 0
+    # Chapter 08: drafts are drawn from a draft model's distribution q (draft_model,
+    # layer_skip), which is not one-hot for a sampled request; n-gram drafts are certain.
+    drafts_are_sampled: bool = False
 
 
 @dataclass
@@ -89,6 +92,7 @@ class Scheduler:
         self._arrival_counter = itertools.count()
         self._runner_views: dict[str, RunnerView] = {}  # requests the runner holds
         self._finished_req_ids: set[str] = set()  # to tell the runner at the next step
+        self._failed_waiting: list[Request] = []  # ended before they ran, reported next update
 
     def add_request(self, request: Request) -> None:
         self._arrival_order[request.request_id] = next(self._arrival_counter)
@@ -142,7 +146,13 @@ class Scheduler:
             request = self._next_waiting()
             if request is None:  # chapter 10: the rest wait for their grammar's compile
                 break
-            cached_blocks = self.kv_cache_manager.find_cached_blocks(request)  # chapter 05 hook
+            if request.grammar is not None and request.grammar.compile_error is not None:
+                self.waiting.remove(request)  # chapter 10: this request alone cannot run
+                request.finish_with_error(request.grammar.compile_error)
+                self._retire(request)
+                self._failed_waiting.append(request)
+                continue
+            cached_blocks = self._cached_blocks(request)  # chapter 05 hook
             num_cached = len(cached_blocks) * self.kv_cache_manager.block_size  # 0 without it
             num_new = request.num_tokens - num_cached
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -169,6 +179,14 @@ class Scheduler:
         output = self._make_output(granted, preempted)
         self.check_invariants(output, num_admitted=len(admitted))
         return output
+
+    def _cached_blocks(self, request: Request) -> list[int]:
+        """Chapter 05: the blocks of the request's prefix already in the pool. A request that
+        asks for prompt logprobs reads none, as in vLLM: each prompt position must run
+        through the model to be scored (its blocks are still cached for the others)."""
+        if request.params.prompt_logprobs is not None:
+            return []
+        return self.kv_cache_manager.find_cached_blocks(request)
 
     def _with_lookahead(self, request: Request, total: int) -> int:
         """Chapter 08: the slots to hold for a grant up to `total` tokens. A grant that reaches
@@ -255,12 +273,20 @@ class Scheduler:
         self, output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
         """Advance the scheduled requests, append their new tokens, retire the finished ones.
-        Returns the requests that received a token."""
+        Returns the requests that received a token or ended (with an error too: a fault of
+        one request, such as nothing left to sample, ends that request alone)."""
         by_id = {r.request_id: r for r in self.running}
-        updated = []
+        updated, self._failed_waiting = self._failed_waiting, []
         for req_id, num_new in output.num_scheduled_tokens.items():
             request = by_id[req_id]
+            if req_id in runner_output.errors:
+                request.finish_with_error(runner_output.errors[req_id])
+                self._retire(request)
+                updated.append(request)
+                continue
             token_ids = runner_output.sampled_token_ids.get(req_id)
+            if req_id in runner_output.prompt_logprobs:  # this step scored prompt tokens
+                request.record_prompt_logprobs(runner_output.prompt_logprobs[req_id])
             request.num_computed_tokens += num_new
             request.spec_token_ids = []
             drafts = output.scheduled_spec_decode_tokens.get(req_id)
@@ -296,19 +322,20 @@ class Scheduler:
                 )
         return updated
 
-    @staticmethod
-    def _draft_room(request: Request, drafts: list[int]) -> list[int]:
+    def _draft_room(self, request: Request, drafts: list[int]) -> list[int]:
         """Chapter 08: the drafts the request can still use. A step emits the accepted drafts
         plus one token, so at most max_tokens - output - 1 drafts (never more tokens than
-        asked) and none past the context; with a grammar (chapter 10), none past the first
-        draft it forbids."""
+        asked) and none past the context. With a grammar (chapter 10), none past the first
+        draft it forbids; a draft drawn from a draft model's q is kept there too, to be
+        rejected by the verifier (`RequestGrammar.valid_drafts` says why)."""
         room = min(
             request.max_tokens - len(request.output_token_ids),
             request.max_model_len - request.num_tokens,
         )
         drafts = drafts[: max(0, room - 1)]
         if request.grammar is not None and drafts:
-            drafts = request.grammar.valid_drafts(drafts)
+            sampled = self.config.drafts_are_sampled and not request.params.is_greedy
+            drafts = request.grammar.valid_drafts(drafts, keep_forbidden=sampled)
         return drafts
 
     def abort_request(self, request: Request) -> None:

@@ -1,4 +1,8 @@
-"""The engine: requests in, steps through the scheduler and the executor, outputs out."""
+"""The engine: requests in, steps through the scheduler and the executor, outputs out.
+
+`LLMEngine` (chapter 04) is the engine itself; `AsyncLLM` (chapter 09) serves it to many
+users at once, with its core, the loop that steps it, in a thread (core_client.InprocClient)
+or in a process of its own (core.py, core_client.MPClient)."""
 
 from __future__ import annotations
 

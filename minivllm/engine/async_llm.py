@@ -3,26 +3,41 @@
 `LLM.generate` (chapter 04) owns the loop: it adds a batch, steps until the batch is done and
 returns. A server cannot work that way. Requests arrive one by one from many connections, each
 wants its tokens as soon as they exist, and a user who closes the tab must stop costing compute.
-`AsyncLLM` (vLLM's name) turns the engine inside out: the loop runs by itself, in one background
-thread, and requests come and go while it runs.
+`AsyncLLM` (vLLM's name) turns the engine inside out: the engine core loops by itself, and
+requests come and go while it runs.
 
-    asyncio event loop (HTTP, many coroutines)           engine thread (one, owns the engine)
-    ------------------------------------------           ------------------------------------
-    stream = llm.add_request(id, prompt, params)  --inbox-->  engine.add_request(...)
-                                                             while work: outputs = engine.step()
-    async for output in stream:       <--call_soon_threadsafe--  stream.queue.put(output)
+    asyncio event loop (HTTP, many coroutines)              engine core (a thread or a process)
+    ------------------------------------------              -----------------------------------
+    stream = llm.add_request(id, prompt, params)  --AddRequest-->  engine.add_request(...)
+                                                                   while work: engine.step()
+    OutputProcessor: token ids -> text  <--one callback per step, deltas (token ids)--
+    async for output in stream:
         send it to the client
-    client gone -> stream.close()  ---------inbox-->  engine.abort_request(id): blocks freed
+    client gone -> stream.close()  --AbortRequests-->  engine.abort_request(id): blocks freed
 
-Why a thread: `engine.step()` is one forward pass, milliseconds to seconds of blocking work. Run
-on the event loop, it would freeze every connection for that long; in its own thread the event
-loop keeps accepting requests and writing tokens while the model computes (PyTorch releases the
-GIL inside its kernels). The engine is not thread-safe, so only the engine thread calls it: the
-event loop hands it requests and aborts through an inbox, and it wakes up when the inbox fills.
+Where the core runs is the client's business (engine/core_client.py): `minivllm serve` runs it
+in a process of its own (engine/core.py: the step and the HTTP front end then share no GIL);
+`AsyncLLM(engine)` steps an engine you built in a background thread. `engine.step()` is one
+forward pass, milliseconds to seconds of blocking work: on the event loop it would freeze every
+connection for that long.
 
-Streams: each request has an `asyncio.Queue`. After every step the engine thread puts each
-request's newest `RequestOutput` into its queue with `loop.call_soon_threadsafe` (the one safe
-way into another thread's event loop). A stream ends with the output marked `finished`.
+One thread owns the streams: the event loop's. The client's thread (the in-process engine
+thread, or the thread reading the core's socket) touches none of them; after each step it
+hands the step's outputs to the loop with `loop.call_soon_threadsafe` (the one safe way into
+another thread's event loop), and the loop routes them. So a stream that closes while its last
+output is on the way cannot race the delivery: both run on the loop, one after the other.
+
+Text: the core sends token ids only and the front end detokenizes, as in vLLM V1. The
+`OutputProcessor` (engine/output_processor.py) keeps one incremental detokenizer per sequence,
+on the event loop like the streams: it turns each step's new tokens into new text and
+decoded logprob tokens, holds back what may still change, and checks the stop strings. A
+sequence that a stop string ends, ends here; the core, which sees no text, is told to abort it.
+
+Streams: outputs arrive as deltas (engine/deltas.py: only what a step added) and each stream
+joins them into the cumulative `RequestOutput` its consumer reads. A consumer that is slower
+than the engine gets the newest state when it reads, with the steps it missed merged in, as
+vLLM's output collector does, so a stream that nobody reads holds one output, not one per step.
+A stream ends with the output marked `finished`.
 
 Cancellation: a consumer that stops iterating (the client disconnected, so the server's task is
 cancelled) closes its stream, which aborts the request before the next step: its KV blocks go
@@ -35,28 +50,34 @@ raises `EngineOverloadedError` (the server answers 503) instead of growing a que
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from minivllm.config import EngineConfig
 from minivllm.engine import make_engine
+from minivllm.engine.core import EngineCoreOutputs
+from minivllm.engine.core_client import EngineCoreClient, EngineDeadError, InprocClient, MPClient
+from minivllm.engine.data_parallel import AddRequest
+from minivllm.engine.deltas import merge_delta, new_request_output, snapshot
 from minivllm.engine.llm_engine import Metric
+from minivllm.engine.output_processor import OutputProcessor, core_params
 from minivllm.outputs import RequestOutput
 from minivllm.sample.sampling_params import SamplingParams
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineOverloadedError", "RequestStream"]
 
 DEFAULT_MAX_WAITING_REQUESTS = 1024
 T = TypeVar("T")
 
 
 class StepListener(Protocol):
-    """Told, on the engine thread, what every step produced and which requests were aborted;
-    the server's latency metrics listen here."""
+    """Told, on the event loop, what every step produced (as deltas with text: each output
+    holds the new tokens and text) and which requests were aborted; the server's latency
+    metrics listen."""
 
     def on_step(self, outputs: list[RequestOutput], now: float) -> None:
-        """`now`: when the outputs came out (time.monotonic)."""
+        """`now`: when the step ended (time.monotonic)."""
 
     def on_abort(self, request_ids: list[str]) -> None: ...
 
@@ -65,23 +86,21 @@ class EngineOverloadedError(RuntimeError):
     """Too many requests wait for their first token; the client should retry later."""
 
 
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shut down, or a step raised); no request can run."""
-
-
 @dataclass
 class RequestStream:
     """The outputs of one request, in the event loop that asked for them.
 
     Iterate it with `async for`; `close()` (also called when iteration is abandoned through
-    `AsyncLLM.generate`) aborts the request if it has not finished."""
+    `AsyncLLM.generate`) aborts the request if it has not finished. Used on the loop only."""
 
     request_id: str
     owner: AsyncLLM
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output: RequestOutput  # everything received so far, joined
     started: bool = False  # has produced its first output
-    finished: bool = False
+    finished: bool = False  # nothing more will be read from it
+    unread: bool = False  # `output` changed since the consumer last read it
+    error: BaseException | None = None
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -89,12 +108,15 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
+        while not (self.unread or self.error):
+            self.wakeup.clear()
+            await self.wakeup.wait()
+        if not self.unread:  # an error, and nothing left unread before it
             self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
+            raise self.error
+        self.unread = False
+        self.finished = self.output.finished
+        return snapshot(self.output)
 
     def close(self) -> None:
         """Stop the request if it is still running (idempotent)."""
@@ -102,49 +124,65 @@ class RequestStream:
             self.finished = True
             self.owner.abort(self.request_id)
 
-    # Called on the engine thread.
-    def put_threadsafe(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def receive(self, delta: RequestOutput) -> None:
+        self.started = True
+        merge_delta(self.output, delta)
+        self.unread = True
+        self.wakeup.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.wakeup.set()
 
 
 class AsyncLLM:
-    """An engine stepped by a background thread, with one async stream per request."""
+    """An engine core that steps by itself, with one async stream per request."""
 
     def __init__(
-        self, engine, max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
+        self,
+        engine,
+        max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
     ) -> None:
-        self.engine = engine
+        """`engine`: an `EngineCoreClient`, or an engine to step in a thread of this process."""
+        self.client = engine if isinstance(engine, EngineCoreClient) else InprocClient(engine)
         self.max_waiting_requests = max_waiting_requests
+        self.output_processor = OutputProcessor(self.client.tokenizer)  # the loop's alone
         self.listeners: list[StepListener] = []
-        self._streams: dict[str, RequestStream] = {}
-        # The inbox: (request id, prompt, params, priority) to add, or request ids to abort.
-        self._to_add: list[tuple[str, dict, SamplingParams, int]] = []
-        self._to_abort: list[str] = []
-        self._wakeup = threading.Condition()
-        # Held around every engine call: the engine thread's steps, and metric reads from others.
-        self._engine_lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}  # open streams; the loop's alone
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop the streams live in
         self._error: BaseException | None = None
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="minivllm-engine", daemon=True)
-        self._thread.start()
+        self.client.start(self._on_outputs, self._on_failure)
 
     @classmethod
     def from_config(
-        cls, config: EngineConfig, max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS
+        cls,
+        config: EngineConfig,
+        max_waiting_requests: int | None = DEFAULT_MAX_WAITING_REQUESTS,
+        *,
+        multiprocess: bool = True,
     ) -> AsyncLLM:
-        return cls(make_engine(config), max_waiting_requests)
+        """The engine core in processes of its own (vLLM's default), or, with
+        `multiprocess=False`, in a thread of this one."""
+        client = MPClient(config) if multiprocess else InprocClient(make_engine(config))
+        return cls(client, max_waiting_requests)
+
+    @property
+    def engine(self):
+        """The engine itself, for an engine stepped in this process."""
+        return self.client.engine
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.client.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.client.max_model_len
 
     @property
     def model_path(self):
-        return self.engine.model_path
+        return self.client.model_path
 
     @property
     def is_running(self) -> bool:
@@ -158,7 +196,7 @@ class AsyncLLM:
     @property
     def num_waiting(self) -> int:
         """Requests accepted that have not produced a token yet."""
-        return sum(not stream.started for stream in list(self._streams.values()))
+        return sum(not stream.started for stream in self._streams.values())
 
     # --- the event loop's side ---
 
@@ -170,8 +208,8 @@ class AsyncLLM:
         *,
         priority: int = 0,
     ) -> RequestStream:
-        """Validate a request now (ValueError/TypeError, nothing queued) and queue it for the
-        engine thread; its outputs arrive on the returned stream. Call from a coroutine."""
+        """Validate a request now (ValueError/TypeError, nothing queued) and send it to the
+        engine core; its outputs arrive on the returned stream. Call from a coroutine."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._error
         if request_id in self._streams:
@@ -181,14 +219,29 @@ class AsyncLLM:
                 f"the server is busy: {self.num_waiting} requests are already waiting for their "
                 f"first token (max_waiting_requests={self.max_waiting_requests}); retry later"
             )
-        # The Processor only reads the tokenizer, so checking here does not touch the engine.
-        processed, params = self.engine.processor.process_request(prompt, params)
-        stream = RequestStream(request_id, self, asyncio.get_running_loop())
+        # The Processor only reads the tokenizer: checking here does not touch the engine.
+        processed, params = self.client.processor.process_request(prompt, params)
+        prompt = processed.as_prompt()
+        self._use_loop(asyncio.get_running_loop())
+        self.client.add_request(AddRequest(request_id, prompt, core_params(params), priority))
+        # Registered after the send: its first output is delivered on this loop, later.
+        self.output_processor.add_request(request_id, prompt["prompt_token_ids"], params)
+        stream = RequestStream(request_id, self, new_request_output(request_id, prompt))
         self._streams[request_id] = stream
-        with self._wakeup:
-            self._to_add.append((request_id, processed.as_prompt(), params, priority))
-            self._wakeup.notify()
         return stream
+
+    def _use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Streams live in one event loop. A new loop may take over once the old one has no
+        open streams or is closed (asyncio.run, called again)."""
+        if loop is self._loop:
+            return
+        if self._streams and self._loop is not None and not self._loop.is_closed():
+            raise RuntimeError("an AsyncLLM serves one event loop at a time")
+        if self._streams:  # left open by a closed loop: nobody will read them
+            self.client.abort_requests(list(self._streams))
+            self.output_processor.abort_requests(list(self._streams))
+            self._streams.clear()
+        self._loop = loop
 
     async def generate(
         self,
@@ -212,88 +265,80 @@ class AsyncLLM:
         stream = self._streams.pop(request_id, None)
         if stream is None:
             return
+        self.output_processor.abort_requests([request_id])
         stream.finished = True
-        with self._wakeup:
-            self._to_abort.append(request_id)
-            self._wakeup.notify()
+        if self.is_running:
+            self.client.abort_requests([request_id])
+        for listener in self.listeners:
+            listener.on_abort([request_id])
 
     def add_listener(self, listener: StepListener) -> None:
         self.listeners.append(listener)
 
     def call_engine(self, function: Callable[[Any], T]) -> T:
-        """`function(engine)` between two steps, where the engine is safe to read. Blocks until
-        the current step ends: from a coroutine, call it through asyncio.to_thread."""
-        with self._engine_lock:
-            return function(self.engine)
+        """`function(engine)` between two steps, where the engine is safe to read, in the
+        engine's process (there `function` must pickle by name: a module-level function).
+        Blocks until the current step ends: from a coroutine, call it through
+        asyncio.to_thread."""
+        return self.client.call_engine(function)
 
     def get_metrics(self) -> list[Metric]:
         """The engine's metrics (see `call_engine` on blocking)."""
-        return self.call_engine(lambda engine: engine.get_metrics())
+        return self.client.get_metrics()
+
+    def get_replica_metrics(self) -> list[list[Metric]]:
+        """Each data-parallel replica's own metrics (one list without data parallelism)."""
+        return self.client.get_replica_metrics()
 
     def shutdown(self) -> None:
-        """Stop the loop, end every open stream with EngineDeadError, stop the engine."""
-        with self._wakeup:
-            self._stopping = True
-            self._wakeup.notify()
-        self._thread.join()
-        self._fail_streams(EngineDeadError("the engine was shut down"))
-        self.engine.shutdown()
+        """Stop the engine core; every open stream ends with EngineDeadError."""
+        self._stopping = True
+        self.client.shutdown()
+        self._post(self._fail_streams, EngineDeadError("the engine was shut down"))
 
-    # --- the engine thread's side ---
+    # --- called on the client's thread: hand over to the loop ---
 
-    def _run(self) -> None:
+    def _on_outputs(self, report: EngineCoreOutputs) -> None:
+        self._post(self._deliver, report)
+
+    def _on_failure(self, error: BaseException) -> None:
+        self._error = error  # from now on add_request refuses
+        self._post(self._fail_streams, EngineDeadError(f"the engine loop failed: {error!r}"))
+
+    def _post(self, callback: Callable, *args: Any) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return  # no stream is open in a loop that could read it
         try:
-            while self._wait_for_work():
-                with self._engine_lock:
-                    self._apply_inbox()
-                    outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
-                self._deliver(outputs, time.monotonic())
-        except BaseException as error:  # a failed step: every stream learns why
-            self._error = error
-            self._fail_streams(EngineDeadError(f"the engine loop failed: {error!r}"))
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            pass  # the loop closed in the meantime
 
-    def _wait_for_work(self) -> bool:
-        """Sleep until there is something to do; False when shutting down."""
-        with self._wakeup:
-            while not (
-                self._stopping
-                or self._to_add
-                or self._to_abort
-                or self.engine.has_unfinished_requests()
-            ):
-                self._wakeup.wait()
-            return not self._stopping
+    # --- the loop's side of delivery ---
 
-    def _apply_inbox(self) -> None:
-        with self._wakeup:
-            to_add, self._to_add = self._to_add, []
-            to_abort, self._to_abort = self._to_abort, []
-        for request_id, prompt, params, priority in to_add:
-            if request_id not in self._streams:
-                continue  # aborted before it reached the engine
-            try:
-                self.engine.add_request(request_id, prompt, params, priority=priority)
-            except (ValueError, TypeError) as error:
-                self._streams.pop(request_id).put_threadsafe(error)
-        if to_abort:
-            self.engine.abort_request(to_abort)
-            for listener in self.listeners:
-                listener.on_abort(to_abort)
-
-    def _deliver(self, outputs: list[RequestOutput], now: float) -> None:
+    def _deliver(self, report: EngineCoreOutputs) -> None:
+        # Requests aborted while this step ran are left out: their outputs are not wanted.
+        processed = self.output_processor.process_outputs(report.outputs)
         for listener in self.listeners:
-            listener.on_step(outputs, now)
-        for output in outputs:
-            stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue  # aborted while this step ran; its outputs are not wanted
-            stream.started = True
+            listener.on_step(processed.outputs, report.timestamp)
+        for output in processed.outputs:
+            stream = self._streams[output.request_id]
             if output.finished:
                 del self._streams[output.request_id]
-            stream.put_threadsafe(output)
+            stream.receive(output)
+        if self.is_running:  # what a stop string ended here, the core must stop too
+            if processed.requests_to_abort:
+                self.client.abort_requests(processed.requests_to_abort)
+            if processed.sequences_to_abort:
+                self.client.abort_sequences(processed.sequences_to_abort)
+        for request_id, error in report.errors.items():
+            self.output_processor.abort_requests([request_id])
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.fail(error)
 
     def _fail_streams(self, error: BaseException) -> None:
+        self.output_processor.abort_requests(list(self._streams))
         streams, self._streams = self._streams, {}
         for stream in streams.values():
-            if not stream.loop.is_closed():
-                stream.put_threadsafe(error)
+            stream.fail(error)

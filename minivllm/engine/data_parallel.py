@@ -20,6 +20,11 @@ cache, so cached blocks only help on the replica that computed them: when scores
 router prefers the replica that last received the longest prefix of the new prompt, in whole KV
 blocks (prefix affinity), so the turns of a conversation keep hitting the same cache.
 
+Behind the server (chapter 09) the replicas are engine-core processes instead, reached over ZMQ
+by `engine/core_client.MPClient` with the same router, so that a request or an abort never
+waits for a replica's step; `DataParallelEngine.step()` may wait, since `LLM.generate` has
+nothing else to do meanwhile.
+
 Replicas are started with multiprocessing's "spawn" method, so a script that builds
 `LLM(data_parallel_size=M)` needs the usual `if __name__ == "__main__":` guard.
 """
@@ -120,7 +125,8 @@ class AddRequest:
 
 @dataclass
 class EngineCall:
-    """Front end -> replica: call `engine.<method>(*args)`; send back a `Reply` if `reply`."""
+    """Front end -> replica: call `engine.<method>(*args)`; send back a `Reply` if `reply`
+    (an engine core, chapter 09, answers with a `CallResult`)."""
 
     method: str
     args: tuple = ()
@@ -248,16 +254,20 @@ def drain(inbox: queue.SimpleQueue) -> list:
 
 
 def report_failure(conn: Connection, error: BaseException) -> None:
-    """Send the exception itself, so the front end raises the same type with the same message;
-    an exception that can't be pickled travels as a RuntimeError with its text."""
+    """Send the exception itself, so the front end raises the same type with the same message."""
+    try:
+        conn.send(Failed(picklable_error(error), traceback.format_exc()))
+    except OSError:
+        pass  # the front end is gone; nobody is left to tell
+
+
+def picklable_error(error: BaseException) -> BaseException:
+    """The exception itself if it survives pickling, else a RuntimeError with its text."""
     try:
         pickle.loads(pickle.dumps(error))
     except Exception:
-        error = RuntimeError(f"{type(error).__name__}: {error}")
-    try:
-        conn.send(Failed(error, traceback.format_exc()))
-    except OSError:
-        pass  # the front end is gone; nobody is left to tell
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
 
 
 # --- the front end ----------------------------------------------------------------------------
@@ -276,13 +286,9 @@ class RemoteTraceback(Exception):
 
 
 @dataclass
-class Replica:
-    """The front end's handle on one replica: its process, its pipe and what the router knows
-    of its load."""
+class ReplicaLoad:
+    """What the router knows of one replica's load."""
 
-    index: int
-    process: multiprocessing.process.BaseProcess
-    conn: Connection
     waiting: int = 0  # from its last StepReport
     running: int = 0
     num_sent: int = 0  # sequences sent to it, ever
@@ -293,6 +299,15 @@ class Replica:
         """(waiting, running) as the router sees them: the last report, plus the sequences
         sent since that the replica had not received yet, counted as waiting."""
         return self.waiting + self.num_sent - self.num_received, self.running
+
+
+@dataclass
+class Replica(ReplicaLoad):
+    """The front end's handle on one replica: its process, its pipe and its load."""
+
+    index: int = 0
+    process: multiprocessing.process.BaseProcess | None = None
+    conn: Connection | None = None
 
     def failed(self, failure: Failed) -> RuntimeError:
         error = RuntimeError(
@@ -384,14 +399,27 @@ class DataParallelEngine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests wherever they are; unknown or finished ids are ignored."""
-        by_replica: dict[int, list[str]] = {}
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
-            replica = self.request_replica.pop(rid, None)
+        request_ids = [request_id] if isinstance(request_id, str) else request_id
+        self._call_owners("abort_request", [(rid, rid) for rid in request_ids], forget=True)
+
+    def abort_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        """Stop single sequences (request id, index): LLMEngine.abort_sequences."""
+        self._call_owners("abort_sequences", [(rid, (rid, i)) for rid, i in sequences])
+
+    def _call_owners(self, method: str, items: list[tuple[str, Any]], forget: bool = False) -> None:
+        """Call `method` on each replica with the items (request id, item) of its requests;
+        `forget`: the requests are gone from the router too."""
+        by_replica: dict[int, list] = {}
+        for request_id, item in items:
+            if forget:
+                replica = self.request_replica.pop(request_id, None)
+            else:
+                replica = self.request_replica.get(request_id)
             if replica is not None:
-                by_replica.setdefault(replica.index, []).append(rid)
-        for index, ids in by_replica.items():
+                by_replica.setdefault(replica.index, []).append(item)
+        for index, batch in by_replica.items():
             try:
-                self.replicas[index].conn.send(EngineCall("abort_request", (ids,)))
+                self.replicas[index].conn.send(EngineCall(method, (batch,)))
             except OSError:
                 pass  # a dead replica's requests are gone already
 
@@ -525,7 +553,7 @@ def start_replica(index: int, config: EngineConfig, num_threads: int) -> Replica
     # Drop our copy of the replica's end: when the replica dies, its end closes and our
     # recv raises EOFError instead of waiting forever.
     child_conn.close()
-    return Replica(index, process, conn)
+    return Replica(index=index, process=process, conn=conn)
 
 
 def wait_until_ready(replica: Replica) -> int:
@@ -560,14 +588,21 @@ def shutdown_replicas(replicas: list[Replica]) -> None:
             replica.conn.send(Shutdown())
         except OSError:
             pass  # already gone
-    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    stop_processes([replica.process for replica in replicas])
     for replica in replicas:
-        replica.process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for replica in replicas:
-        if replica.process.is_alive():
-            replica.process.terminate()
-            replica.process.join(timeout=2)
-        if replica.process.is_alive():
-            replica.process.kill()
-            replica.process.join()
         replica.conn.close()
+
+
+def stop_processes(processes: list) -> None:
+    """Give processes that were asked to stop SHUTDOWN_TIMEOUT_S together, then terminate and
+    at last kill whatever is still running."""
+    deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(timeout=2)
+        if process.is_alive():
+            process.kill()
+            process.join()

@@ -16,7 +16,8 @@
 The scheduler picks tokens under the budget (allocating KV blocks, preempting if needed); the
 executor hands the step to the worker(s), whose model runner runs it as one flat batch over the
 paged cache. The engine keeps everything that has to do with text and users (tokenizer,
-detokenizers, stop strings, outputs); the workers keep the model and the pool.
+detokenizers, stop strings, outputs); the workers keep the model and the pool. (Chapter 09's
+server runs its requests with `detokenize=False`: its front end makes the text.)
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from minivllm.engine.processor import Processor
 from minivllm.executor.base import UniProcExecutor
 from minivllm.executor.multiproc import MultiprocExecutor
 from minivllm.models.loader import load_model_config, load_tokenizer, resolve_model_path
-from minivllm.outputs import RequestOutput
+from minivllm.outputs import ModelRunnerOutput, RequestOutput
 from minivllm.sample.sampling_params import SamplingParams
 
 
@@ -82,6 +83,9 @@ class LLMEngine:
                 num_lookahead_tokens=(
                     0 if config.speculative is None else config.speculative.num_lookahead_tokens
                 ),
+                drafts_are_sampled=(
+                    config.speculative is not None and config.speculative.uses_draft_model
+                ),
             ),
             self.kv_cache_manager,
         )
@@ -98,8 +102,10 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the worker processes, if any (also done when the engine is garbage-collected
-        and at exit)."""
+        and at exit), and the grammar compile thread."""
         self.executor.shutdown()
+        if self.structured_output_manager is not None:
+            self.structured_output_manager.shutdown()
 
     # --- requests ---
 
@@ -161,6 +167,17 @@ class LLMEngine:
                 if not sequence.is_finished:
                     self.scheduler.abort_request(sequence)
 
+    def abort_sequences(self, sequences: list[tuple[str, int]]) -> None:
+        """Stop single sequences (request id, index) whose siblings go on; frees their blocks.
+        Chapter 09's front end calls it when it finds a stop string in one sequence of an
+        n > 1 request. A request whose last sequence this stops is forgotten."""
+        for request_id, index in sequences:
+            siblings = self.requests.get(request_id, [])
+            if index < len(siblings) and not siblings[index].is_finished:
+                self.scheduler.abort_request(siblings[index])
+            if siblings and all(sibling.is_finished for sibling in siblings):
+                del self.requests[request_id]
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while requests hold blocks."""
         return self.kv_cache_manager.reset_prefix_cache()
@@ -182,8 +199,11 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self.last_step_prefix_cache = (stats.queries - queries_before, stats.hits - hits_before)
         if scheduler_output.is_empty:
-            return []
-        runner_output = self.executor.execute_model(scheduler_output)
+            # Nothing runs; requests that ended before running (a grammar that failed to
+            # compile) still report.
+            runner_output = ModelRunnerOutput()
+        else:
+            runner_output = self.executor.execute_model(scheduler_output)
         updated = self.scheduler.update_from_output(scheduler_output, runner_output)
         parent_ids: dict[str, None] = {}  # requests that advanced, in order, once each
         for sequence in updated:
@@ -207,6 +227,8 @@ class LLMEngine:
             finished=all(s.is_finished for s in sequences),
             metrics=first.metrics,
             num_cached_tokens=first.num_cached_tokens,
+            # Completion 0 scores the shared prompt (SamplingParams.for_completion).
+            prompt_logprobs=first.prompt_logprobs if first.has_all_prompt_logprobs else None,
         )
 
     # --- metrics ---

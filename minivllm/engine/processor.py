@@ -75,6 +75,7 @@ class Processor:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         processed = self.process_prompt(prompt)
         self.check_fits(processed, params)
+        self.check_vocabulary_ids(params)
         if params.structured_outputs is not None:
             # Chapter 10: a grammar that does not parse is refused here, before anything is
             # queued (parsing is cheap; the compile runs later, in the engine's background).
@@ -90,6 +91,18 @@ class Processor:
                     f"max_tokens={params.max_tokens} does not fit: the prompt has "
                     f"{len(prompt.token_ids)} tokens and the context {self.max_model_len}, so "
                     f"max_tokens can be at most {self.max_model_len - len(prompt.token_ids)}"
+                )
+
+    def check_vocabulary_ids(self, params: SamplingParams) -> None:
+        """Fields that name tokens may only name tokens of the vocabulary (vLLM's rule): the
+        sampler indexes the logits with them, and an id past the end would fail mid-step."""
+        named = {"logit_bias": params.logit_bias, "stop_token_ids": params.stop_token_ids}
+        for name, token_ids in named.items():
+            outside = [t for t in token_ids or () if t >= self.vocab_size]
+            if outside:
+                raise ValueError(
+                    f"{name} must name token ids below the vocabulary size {self.vocab_size}, "
+                    f"got {outside[:5]}"
                 )
 
     def _encode(self, text: str) -> list[int]:

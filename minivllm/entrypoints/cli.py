@@ -126,6 +126,8 @@ def cmd_serve(args) -> None:
         served_model_name=args.served_model_name,
         max_request_bytes=args.max_request_bytes,
         max_waiting_requests=args.max_waiting_requests,
+        generation_config=args.generation_config,
+        engine_core_process=args.engine_core_process,
     )
     run_server(EngineConfig.from_kwargs(**engine_settings(args)), settings)
 
@@ -190,6 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1024,
         help="requests that may wait for their first token; more are refused with 503",
+    )
+    serve.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for fields a request leaves out: 'auto' reads the model's "
+        "generation_config.json, 'vllm' ignores it, or a folder holding one",
+    )
+    serve.add_argument(
+        "--engine-core-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core in a process of its own (vLLM's default); "
+        "--no-engine-core-process steps it in a thread of the server's process",
     )
     add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)

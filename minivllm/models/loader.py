@@ -223,3 +223,34 @@ def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)
+
+
+# The sampling fields of `generation_config.json` that serve as a server's defaults (vLLM's
+# list), under their SamplingParams names: Hugging Face's max_new_tokens is our max_tokens.
+GENERATION_DEFAULT_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+def load_generation_defaults(model_dir: str | os.PathLike, required: bool = False) -> dict:
+    """The sampling defaults the checkpoint's authors recommend (e.g. Qwen2.5-Instruct's
+    temperature 0.7, top_p 0.8), from the directory's generation_config.json, by
+    SamplingParams name; {} without one (a ValueError instead when `required`)."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        if required:
+            raise ValueError(
+                f"generation_config: there is no generation_config.json in {model_dir}"
+            )
+        return {}
+    config = json.loads(path.read_text())
+    return {
+        name: config[key]
+        for key, name in GENERATION_DEFAULT_FIELDS.items()
+        if config.get(key) is not None
+    }

@@ -10,11 +10,21 @@ to that request's own `SamplingParams`.
 The idea it holds is that sampling is a pipeline of small, separate transforms on the logits,
 applied to the whole batch at once with per-row parameters:
 
-    penalties -> min_tokens ban -> (logprobs are read here) -> temperature -> top-k -> top-p
-    -> min-p -> draw
+    (raw logprobs are read here) -> logit_bias -> penalties -> min_tokens ban
+    -> greedy: argmax                                  (processed logprobs of a greedy row)
+    -> random: temperature -> top-k -> top-p -> min-p  (processed logprobs of a random row)
+       -> draw
 
 and that the final draw uses an explicit random generator per seeded request, so a seeded request
 produces the same tokens whichever other requests happen to share its batch.
+
+NaN and inf never decide a token: a logit that came in at -inf (chapter 10's grammar mask) stays
+there whatever the penalties do, NaN counts as -inf, and a row left with nothing to sample is
+reported in `SamplerOutput.errors` (its request ends with that error) instead of giving token 0.
+
+Which logprobs a request gets back is the engine's `logprobs_mode` (vLLM's names and default):
+"raw_logprobs", the log_softmax of the model's own logits, or "processed_logprobs", of the
+logits the token was actually chosen from; the "_logits" variants report the logits themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from minivllm.config import LOGPROBS_MODES
 from minivllm.sample.sampling_params import SamplingParams
 
 
@@ -42,7 +53,8 @@ class SamplingRow:
 
 @dataclass
 class TokenLogprobs:
-    """Log-probabilities around one sampled token."""
+    """Log-probabilities around one sampled token (or one prompt token, for prompt logprobs).
+    Under the "_logits" logprobs modes the numbers are logits instead."""
 
     sampled_token_id: int
     sampled_logprob: float
@@ -56,6 +68,13 @@ class SamplerOutput:
 
     token_ids: list[int]  # one sampled token per row
     logprobs: list[TokenLogprobs | None]  # per row, None when params.logprobs is None
+    # Per row, why nothing could be sampled (its token is then meaningless), None for a good
+    # row: the request ends with that error, the rest of the batch goes on.
+    errors: list[str | None]
+
+
+# A row whose every logit is NaN or -inf once the grammar, penalties and min_tokens are applied.
+NOTHING_TO_SAMPLE = "no token can be sampled: every logit is NaN or -inf"
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -94,12 +113,47 @@ def apply_penalties(
     return logits - frequency * output_counts - presence * (output_counts > 0).float()
 
 
+def apply_logit_bias(logits: torch.Tensor, biases: list[dict[int, float] | None]) -> torch.Tensor:
+    """Add each row's {token id: bias} to its logits (OpenAI's logit_bias): +100 all but forces
+    a token, -100 all but bans it."""
+    rows, token_ids, values = [], [], []
+    for row, bias in enumerate(biases):
+        for token_id, value in (bias or {}).items():
+            rows.append(row)
+            token_ids.append(token_id)
+            values.append(value)
+    index = (
+        torch.tensor(rows, device=logits.device),
+        torch.tensor(token_ids, device=logits.device),
+    )
+    return logits.index_put(index, torch.tensor(values, device=logits.device), accumulate=True)
+
+
 def ban_tokens(logits: torch.Tensor, banned_token_ids: list[list[int]]) -> torch.Tensor:
-    """Set the listed token ids of each row to -inf, so they can be neither argmax nor drawn."""
+    """Set the listed token ids of each row to -inf, so they can be neither argmax nor drawn;
+    except in a row where they are all that is left. There the ban would leave nothing to
+    sample: a grammar that is complete (chapter 10) allows only its end, EOS, and the min_tokens
+    ban must not take it away. The row is then left as it was, and the grammar wins."""
     banned = torch.zeros_like(logits, dtype=torch.bool)
     for row, token_ids in enumerate(banned_token_ids):
         banned[row, token_ids] = True
-    return logits.masked_fill(banned, float("-inf"))
+    leaves_something = ((logits > float("-inf")) & ~banned).any(dim=-1, keepdim=True)
+    return logits.masked_fill(banned & leaves_something, float("-inf"))
+
+
+def sanitize_logits(logits: torch.Tensor, forbidden: torch.Tensor) -> torch.Tensor:
+    """Keep NaN and inf from undoing a mask. A repetition penalty that is 0 in float32 (5e-324
+    is) turns a forbidden token's -inf into NaN (-inf * 0) and a positive logit into +inf, and a
+    model can overflow on its own. So: a token that came in at -inf (the grammar's mask) stays
+    -inf; NaN is no logit at all (-inf); and in a row with +inf logits those tokens are sure,
+    which softmax would turn into NaN: they keep all the mass (0), the others none (-inf)."""
+    logits = logits.masked_fill(forbidden | logits.isnan(), float("-inf"))
+    sure = logits.isposinf()
+    has_sure = sure.any(dim=-1, keepdim=True)
+    if not has_sure.any():
+        return logits
+    sure_or_nothing = torch.where(sure, 0.0, float("-inf"))
+    return torch.where(has_sure, sure_or_nothing, logits)
 
 
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -149,61 +203,101 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     """Picks one token per row of a logits batch, each row following its own SamplingParams."""
 
-    def __init__(self, default_generator: torch.Generator | None = None):
+    def __init__(
+        self,
+        default_generator: torch.Generator | None = None,
+        logprobs_mode: str = "raw_logprobs",
+    ):
         # Used for rows without their own generator; None means torch's global RNG.
         self.default_generator = default_generator
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"logprobs_mode must be one of {LOGPROBS_MODES}, got {logprobs_mode!r}"
+            )
+        self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        logits = self._adjusted_logits(logits, rows)
+        adjusted = self._adjusted_logits(logits, rows)
 
         # Fast path: greedy rows need nothing but argmax, so an all-greedy batch skips
         # temperature, truncation and the random draw altogether.
-        token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        token_ids = adjusted.argmax(dim=-1)
+        random_rows, truncated = self._truncated_random_rows(adjusted, rows)
         if random_rows:
-            token_ids[random_rows] = self._sample(
-                logits[random_rows], [rows[i] for i in random_rows]
-            )
-
-        # Logprobs describe the distribution after penalties and the min_tokens ban but before
-        # temperature and truncation: vLLM offers both "raw" and "processed" logprobs, and we
-        # report the model's own distribution (as penalised) rather than the sampling recipe's.
+            token_ids[random_rows] = self._draw(truncated, [rows[i] for i in random_rows])
         return SamplerOutput(
             token_ids=token_ids.tolist(),
-            logprobs=_collect_logprobs(logits, token_ids, rows),
+            logprobs=self._collect_logprobs(
+                logits, adjusted, dict(zip(random_rows, truncated)), token_ids, rows
+            ),
+            errors=[NOTHING_TO_SAMPLE if nothing else None for nothing in _empty_rows(adjusted)],
         )
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """The distribution each row's token is drawn from, [rows, vocab]: after penalties,
-        the min_tokens ban, temperature and truncation; one-hot at the argmax for greedy rows.
-        Chapter 08's rejection sampler verifies draft tokens against it."""
-        logits = self._adjusted_logits(logits, rows)
-        probs = F.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
-        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        """The distribution each row's token is drawn from, [rows, vocab]: after logit_bias,
+        penalties, the min_tokens ban, temperature and truncation; one-hot at the argmax for
+        greedy rows. Chapter 08's rejection sampler verifies draft tokens against it."""
+        adjusted = self._adjusted_logits(logits, rows)
+        probs = F.one_hot(adjusted.argmax(dim=-1), adjusted.shape[-1]).float()
+        random_rows, truncated = self._truncated_random_rows(adjusted, rows)
         if random_rows:
-            probs[random_rows] = self._truncated_probs(
-                logits[random_rows], [rows[i] for i in random_rows]
-            )
-        return probs
+            probs[random_rows] = truncated.softmax(dim=-1)
+        # A row with nothing to sample has no mass at all (the rejection sampler refuses it).
+        return probs.masked_fill(adjusted.isneginf().all(dim=-1, keepdim=True), 0.0)
 
     def logprobs(
         self, logits: torch.Tensor, token_ids: list[int], rows: list[SamplingRow]
     ) -> list[TokenLogprobs | None]:
         """The logprobs `__call__` would report had it sampled `token_ids` (chapter 08: tokens
         the rejection sampler emitted)."""
+        adjusted = self._adjusted_logits(logits, rows)
+        random_rows, truncated = self._truncated_random_rows(adjusted, rows)
         token_ids = torch.tensor(token_ids, device=logits.device)
-        return _collect_logprobs(self._adjusted_logits(logits, rows), token_ids, rows)
+        return self._collect_logprobs(
+            logits, adjusted, dict(zip(random_rows, truncated)), token_ids, rows
+        )
+
+    def _collect_logprobs(
+        self,
+        logits: torch.Tensor,
+        adjusted: torch.Tensor,
+        truncated: dict[int, torch.Tensor],
+        token_ids: torch.Tensor,
+        rows: list[SamplingRow],
+    ) -> list[TokenLogprobs | None]:
+        """TokenLogprobs for the rows whose params ask for logprobs, None for the others, read
+        from the model's logits (raw modes) or from those the token was chosen from
+        (processed modes: `adjusted`, or for a random row its `truncated` logits)."""
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        result: list[TokenLogprobs | None] = [None] * len(rows)
+        if not wanted:
+            return result
+        if self.logprobs_mode.startswith("raw"):
+            scores = logits[wanted].float()
+        else:
+            scores = torch.stack([truncated.get(i, adjusted[i]) for i in wanted])
+        if self.logprobs_mode.endswith("logprobs"):
+            scores = scores.log_softmax(dim=-1)
+        num_top = [rows[i].params.logprobs for i in wanted]
+        for i, token_logprobs in zip(wanted, rank_tokens(scores, token_ids[wanted], num_top)):
+            result[i] = token_logprobs
+        return result
 
     def _adjusted_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Penalties and the min_tokens ban, in float32: what logprobs report."""
+        """logit_bias, penalties and the min_tokens ban, in float32 (vLLM's order): what a
+        greedy row takes the argmax of."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows), vocab] = [{len(rows)}, vocab], "
                 f"got {list(logits.shape)}"
             )
         logits = logits.float()
+        forbidden = logits.isneginf()  # the grammar's mask (chapter 10): nothing may lift it
+        if any(row.params.logit_bias for row in rows):
+            logits = apply_logit_bias(logits, [row.params.logit_bias for row in rows])
         if any(_has_penalties(row.params) for row in rows):
             logits = self._penalise(logits, rows)
+        logits = sanitize_logits(logits, forbidden)
         banned_token_ids = [_stop_ids_still_banned(row) for row in rows]
         if any(banned_token_ids):
             logits = ban_tokens(logits, banned_token_ids)
@@ -219,23 +313,31 @@ class Sampler:
             _param_tensor(rows, "presence_penalty", torch.float32, logits.device),
         )
 
-    def _truncated_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Temperature, then top-k, top-p and min-p: the distribution a random row draws from."""
-        device = logits.device
-        logits = logits / _param_tensor(rows, "temperature", torch.float32, device).unsqueeze(1)
-        logits = apply_top_k(logits, _param_tensor(rows, "top_k", torch.long, device))
-        logits = apply_top_p(logits, _param_tensor(rows, "top_p", torch.float32, device))
-        logits = apply_min_p(logits, _param_tensor(rows, "min_p", torch.float32, device))
-        return logits.softmax(dim=-1)
+    def _truncated_random_rows(
+        self, adjusted: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[list[int], torch.Tensor]:
+        """The rows that sample at random, and their logits after temperature, top-k, top-p
+        and min-p (dropped tokens at -inf): the distribution each one draws from."""
+        random_rows = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if not random_rows:
+            return [], adjusted[:0]
+        params = [rows[i] for i in random_rows]
+        logits, device = adjusted[random_rows], adjusted.device
+        logits = logits / _param_tensor(params, "temperature", torch.float32, device).unsqueeze(1)
+        logits = apply_top_k(logits, _param_tensor(params, "top_k", torch.long, device))
+        logits = apply_top_p(logits, _param_tensor(params, "top_p", torch.float32, device))
+        return random_rows, apply_min_p(
+            logits, _param_tensor(params, "min_p", torch.float32, device)
+        )
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """One draw per row from its truncated distribution."""
-        probs = self._truncated_probs(logits, rows)
+    def _draw(self, truncated: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One draw per row from its truncated logits."""
+        probs = truncated.softmax(dim=-1)
         # Exponential race: with E_i ~ Exp(1), argmax(p_i / E_i) is token i with probability p_i.
         # Unlike torch.multinomial on the batch, it lets each row take its noise from its own
         # generator. The clamp keeps a (rare) zero draw from turning a dropped token's 0/0 into a
         # NaN, which argmax would pick.
-        noise = self._exponential_noise(rows, logits.shape[-1], logits.device)
+        noise = self._exponential_noise(rows, probs.shape[-1], probs.device)
         return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
     def _exponential_noise(
@@ -268,31 +370,45 @@ def _exponentials(num_rows: int, vocab_size: int, generator: torch.Generator) ->
     return draws.exponential_(generator=generator)
 
 
-def _collect_logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]
-) -> list[TokenLogprobs | None]:
-    """TokenLogprobs for the rows whose params ask for logprobs, None for the others."""
-    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-    result: list[TokenLogprobs | None] = [None] * len(rows)
-    if not wanted:
-        return result
-    logprobs = logits[wanted].log_softmax(dim=-1)
-    sampled = token_ids[wanted].unsqueeze(1)
-    sampled_logprobs = logprobs.gather(1, sampled)
-    # Rank 1 is the best token; equal logprobs share the better rank.
-    ranks = (logprobs > sampled_logprobs).sum(dim=-1) + 1
-    most_top = min(max(rows[i].params.logprobs for i in wanted), logprobs.shape[-1])
-    top_values, top_ids = logprobs.topk(most_top, dim=-1)
-
-    for j, i in enumerate(wanted):
-        count = rows[i].params.logprobs
-        result[i] = TokenLogprobs(
-            sampled_token_id=int(sampled[j]),
-            sampled_logprob=float(sampled_logprobs[j]),
-            sampled_rank=int(ranks[j]),
-            top=list(zip(top_ids[j, :count].tolist(), top_values[j, :count].tolist(), strict=True)),
+def rank_tokens(
+    scores: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]
+) -> list[TokenLogprobs]:
+    """Per row of `scores` (logprobs, or logits): token_ids[row]'s score and rank, and the
+    num_top[row] best (token id, score), best first (-1: the whole row). Shared by sampled
+    tokens and prompt tokens (prompt_logprobs)."""
+    vocab_size = scores.shape[-1]
+    num_top = [vocab_size if count == -1 else min(count, vocab_size) for count in num_top]
+    chosen = scores.gather(1, token_ids.unsqueeze(1))
+    # Rank 1 is the best token; equal scores share the better rank.
+    ranks = (scores > chosen).sum(dim=-1) + 1
+    top_values, top_ids = scores.topk(max(num_top), dim=-1)
+    return [
+        TokenLogprobs(
+            sampled_token_id=token_id,
+            sampled_logprob=value,
+            sampled_rank=rank,
+            top=list(zip(ids[:count], values[:count], strict=True)),
         )
-    return result
+        for token_id, value, rank, ids, values, count in zip(
+            token_ids.tolist(),
+            chosen.squeeze(1).tolist(),
+            ranks.tolist(),
+            top_ids.tolist(),
+            top_values.tolist(),
+            num_top,
+            strict=True,
+        )
+    ]
+
+
+def prompt_token_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], num_top: int
+) -> list[TokenLogprobs]:
+    """Prompt logprobs of consecutive positions: row i of the model's logits scores the prompt
+    token that follows it, next_token_ids[i], under the model's own distribution (raw, like
+    vLLM's: no request's sampling settings apply to a prompt)."""
+    token_ids = torch.tensor(next_token_ids, device=logits.device)
+    return rank_tokens(logits.float().log_softmax(dim=-1), token_ids, [num_top] * len(token_ids))
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -301,6 +417,11 @@ def _has_penalties(params: SamplingParams) -> bool:
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
     )
+
+
+def _empty_rows(logits: torch.Tensor) -> list[bool]:
+    """Per row, whether every logit is -inf: nothing can be sampled there."""
+    return logits.isneginf().all(dim=-1).tolist()
 
 
 def _stop_ids_still_banned(row: SamplingRow) -> list[int]:

@@ -8,6 +8,9 @@ rule, so a bad request fails before it reaches the engine.
 from __future__ import annotations
 
 import json as json_module
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,6 +19,9 @@ from minivllm.utils import as_int, float_in, int_at_least, reject, string_list, 
 # Temperatures below this are treated as greedy, as in vLLM: dividing by a tiny temperature
 # would overflow the logits, and the resulting distribution is argmax anyway.
 GREEDY_TEMPERATURE_THRESHOLD = 1e-5
+
+# The seeds torch's random generator accepts: a signed or an unsigned 64-bit integer.
+SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 @dataclass
@@ -83,17 +89,26 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None  # normalised to list[int]
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top logprobs to return per generated token
+    # Per prompt token: its logprob and rank, plus this many top tokens (-1: the whole
+    # vocabulary). None: off. Reported in RequestOutput.prompt_logprobs.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # token id -> a number added to its logit before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # False: no text at all, only token ids (logprobs without decoded tokens). The server's
+    # engine core runs every request so, and its front end makes the text (chapter 09).
+    detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # chapter 10
 
     def __post_init__(self) -> None:
         self._validate_integers()
         self._validate_sampling_knobs()
         self._validate_penalties()
+        self._validate_logit_bias()
         self._validate_stops()
         self._validate_flags()
         if self.structured_outputs is not None and not isinstance(
@@ -107,10 +122,12 @@ class SamplingParams:
 
     def for_completion(self, index: int) -> SamplingParams:
         """The parameters of completion `index` of an n > 1 request: with a seed, completion i
-        samples with seed + i, so that siblings differ and each is reproducible (as in vLLM)."""
-        if self.seed is None or index == 0:
+        samples with seed + i, so that siblings differ and each is reproducible (as in vLLM).
+        The siblings share one prompt, so only completion 0 scores it (prompt_logprobs)."""
+        if index == 0:
             return self
-        return replace(self, seed=self.seed + index)
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, seed=seed, prompt_logprobs=None)
 
     def _validate_integers(self) -> None:
         self.n = int_at_least("n", self.n, 1)
@@ -121,8 +138,18 @@ class SamplingParams:
             reject("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None:
             self.logprobs = int_at_least("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = int_at_least("prompt_logprobs", self.prompt_logprobs, -1)
         if self.seed is not None:
-            self.seed = as_int("seed", self.seed)
+            self.seed = self._checked_seed()
+
+    def _checked_seed(self) -> int:
+        """The seed, refused here if completion n - 1's seed (seed + n - 1) would not fit the
+        generator: a seed torch cannot take must fail at once, not in the engine later."""
+        seed, (low, high) = as_int("seed", self.seed), SEED_RANGE
+        if not low <= seed <= high - (self.n - 1):
+            reject("seed", seed, f"an int from -2**63 to 2**64 - {self.n} (n={self.n})")
+        return seed
 
     def _validate_sampling_knobs(self) -> None:
         self.temperature = float_in("temperature", self.temperature, low=0.0)
@@ -140,11 +167,33 @@ class SamplingParams:
             "repetition_penalty", self.repetition_penalty, low=0.0, low_inclusive=False
         )
 
+    def _validate_logit_bias(self) -> None:
+        """Token ids >= 0 (the engine checks them against its vocabulary) to finite numbers."""
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, Mapping) or not all(
+            _is_token_id(token_id) and _is_finite_number(bias)
+            for token_id, bias in self.logit_bias.items()
+        ):
+            reject("logit_bias", self.logit_bias, "a dict of token ids to finite numbers")
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+
     def _validate_stops(self) -> None:
         self.stop = string_list("stop", self.stop)
         self.stop_token_ids = token_id_list("stop_token_ids", self.stop_token_ids)
 
     def _validate_flags(self) -> None:
-        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+        names = ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "detokenize")
+        for name in names:
             if not isinstance(getattr(self, name), bool):
                 reject(name, getattr(self, name), "a bool")
+        if self.stop and not self.detokenize:  # vLLM's rule: a stop string is found in text
+            reject("stop", self.stop, "empty when detokenize is False (stop strings need text)")
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+
+
+def _is_finite_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)

@@ -18,6 +18,12 @@ Afterwards the draft holds K/V for the n known tokens. Its K/V of the guesses ar
 trusted: next time it rereads whatever was accepted (a chunk of at most k + 1 tokens, as cheap
 as one decode step on small batches).
 
+Forward 0 is bounded by the step's token budget (`max_num_batched_tokens`), like the target's
+own forward. It usually reads a few tokens per request, but a prompt the target found in the
+prefix cache, prefilled in chunks, or recomputed after a preemption is new to the draft: the
+draft then reads it in chunks, over several steps, and guesses nothing for that request until
+it has caught up (the target decodes it alone meanwhile).
+
 Each guess is drawn from the draft's distribution q, shaped by the request's own sampling
 settings (temperature, top-p, penalties), and q is kept for the rejection rule; a greedy
 request's draft simply takes the argmax.
@@ -42,7 +48,7 @@ from minivllm.attention.backend import (
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.sample.sampler import Sampler
 from minivllm.spec_decode.proposal import Proposal, ProposalRequest
-from minivllm.spec_decode.rejection_sampler import draw
+from minivllm.spec_decode.rejection_sampler import NothingToSample, draw
 
 
 class DraftModelProposer:
@@ -54,6 +60,7 @@ class DraftModelProposer:
         sampler: Sampler,
         num_speculative_tokens: int,
         num_layers: int | None = None,
+        max_num_tokens: int | None = None,
     ):
         self.model = model
         self.num_layers = num_layers  # layer_skip: run only the first layers; None: all
@@ -61,46 +68,87 @@ class DraftModelProposer:
         self.attention_backend = attention_backend
         self.sampler = sampler
         self.k = num_speculative_tokens
+        # The most tokens one catch-up forward reads (the step's budget); None: no bound.
+        self.max_num_tokens = max_num_tokens
         self.device = model.model.embed_tokens.weight.device
 
     @torch.inference_mode()
     def propose_batch(self, requests: list[ProposalRequest]) -> list[Proposal]:
-        """Up to k guesses per request; after the call the draft holds K/V for all of each
-        request's token_ids."""
-        num_guesses = [self.num_guesses_that_fit(request) for request in requests]
+        """Up to k guesses for each request the draft has caught up with; each proposal says
+        how many of the request's tokens the draft holds K/V for afterwards."""
+        reads = self.catch_up_lengths(requests)
+        num_read = [request.num_draft_cached + n for request, n in zip(requests, reads)]
+        num_guesses = [
+            self.num_guesses_that_fit(request) if read == len(request.token_ids) else 0
+            for request, read in zip(requests, num_read)
+        ]
         guesses: list[list[int]] = [[] for _ in requests]
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
-        for step in range(max(num_guesses, default=0)):
-            active = [i for i, count in enumerate(num_guesses) if count > step]
-            if step == 0:  # catch up on the tokens not read yet
-                chunks = [
-                    (
-                        requests[i].token_ids[requests[i].num_draft_cached :],
-                        requests[i].num_draft_cached,
-                    )
-                    for i in active
-                ]
-            else:  # read the latest guess
-                chunks = [([guesses[i][-1]], len(requests[i].token_ids) + step - 1) for i in active]
-            logits = self.forward([requests[i].block_ids for i in active], chunks)
-            rows = [
-                replace(
-                    requests[i].row,
-                    output_token_ids=requests[i].row.output_token_ids + guesses[i],
-                )
-                for i in active
+        # Forward 0: each request reads its share of the tokens it has not read yet; those that
+        # have caught up draw guess 1.
+        reading = [i for i, n in enumerate(reads) if n]
+        if reading:
+            chunks = []
+            for i in reading:
+                start = requests[i].num_draft_cached
+                chunks.append((requests[i].token_ids[start : num_read[i]], start))
+            logits = self.forward([requests[i].block_ids for i in reading], chunks)
+            guessing = [j for j, i in enumerate(reading) if num_guesses[i]]
+            self.guess([reading[j] for j in guessing], logits[guessing], requests, guesses, probs)
+        # Forward j: read guess j, at position n + j - 1, and draw guess j + 1.
+        for step in range(1, max(num_guesses, default=0)):
+            active = [
+                i for i, count in enumerate(num_guesses) if count > step and len(guesses[i]) == step
             ]
-            q = self.sampler.probabilities(logits, rows)
-            for row_q, row, i in zip(q, rows, active):
-                generator = row.generator or self.sampler.default_generator
-                guesses[i].append(draw(row_q, generator))
-                probs[i].append(row_q)
+            if not active:
+                break
+            chunks = [([guesses[i][-1]], len(requests[i].token_ids) + step - 1) for i in active]
+            logits = self.forward([requests[i].block_ids for i in active], chunks)
+            self.guess(active, logits, requests, guesses, probs)
         return [
-            Proposal(tokens, None if request.row.params.is_greedy else torch.stack(q))
+            Proposal(tokens, None if request.row.params.is_greedy else torch.stack(q), read)
             if tokens
-            else Proposal([])
-            for request, tokens, q in zip(requests, guesses, probs)
+            else Proposal([], num_draft_cached=read)
+            for request, tokens, q, read in zip(requests, guesses, probs, num_read)
         ]
+
+    def guess(
+        self,
+        active: list[int],
+        logits: torch.Tensor,
+        requests: list[ProposalRequest],
+        guesses: list[list[int]],
+        probs: list[list[torch.Tensor]],
+    ) -> None:
+        """Draw the next guess of each active request (row j of the logits is active[j]'s)
+        from the draft's distribution q, shaped by the request's own sampling settings, and
+        keep q for the rejection rule."""
+        if not active:
+            return
+        rows = [
+            replace(requests[i].row, output_token_ids=requests[i].row.output_token_ids + guesses[i])
+            for i in active
+        ]
+        q = self.sampler.probabilities(logits, rows)
+        for row_q, row, i in zip(q, rows, active):
+            generator = row.generator or self.sampler.default_generator
+            try:
+                guesses[i].append(draw(row_q, generator))
+            except NothingToSample:  # the draft's logits are NaN there: its guesses end
+                continue
+            probs[i].append(row_q)
+
+    def catch_up_lengths(self, requests: list[ProposalRequest]) -> list[int]:
+        """How many of its unread tokens each request reads in forward 0: all of them while
+        the token budget lasts, in batch order, then what is left of it, then none."""
+        left = self.max_num_tokens
+        lengths = []
+        for request in requests:
+            unread = len(request.token_ids) - request.num_draft_cached
+            lengths.append(unread if left is None else min(unread, left))
+            if left is not None:
+                left -= lengths[-1]
+        return lengths
 
     def num_guesses_that_fit(self, request: ProposalRequest) -> int:
         """Guess j's K/V go at position n + j - 1 (the last guess is never read), so the

@@ -35,3 +35,6 @@ class Proposal:
     # rejection rule); None when each draft was certain (n-gram lookups, greedy drafts): q is
     # then one-hot at the draft token.
     probs: torch.Tensor | None = None
+    # A draft model: the request's leading tokens it holds K/V for afterwards (all of them,
+    # unless its catch-up was cut by the token budget). None: the proposer keeps no K/V.
+    num_draft_cached: int | None = None

@@ -20,6 +20,13 @@ from __future__ import annotations
 
 import torch
 
+from minivllm.sample.sampler import NOTHING_TO_SAMPLE
+
+
+class NothingToSample(Exception):
+    """A distribution without any mass (the request's logits were all NaN or -inf there): the
+    request cannot go on, and ends with this error."""
+
 
 def rejection_sample(
     target_probs: torch.Tensor,
@@ -43,7 +50,9 @@ def rejection_sample(
             emitted.append(token)
             continue
         residual = (p - q).clamp_min(0.0)
-        emitted.append(draw(residual / residual.sum(), generator))
+        mass = float(residual.sum())
+        # Rounding can leave no residual where p equals q to float precision: p is its limit.
+        emitted.append(draw(residual / mass if mass > 0 else p, generator))
         return emitted
     emitted.append(draw(target_probs[len(draft_token_ids)], generator))
     return emitted
@@ -61,8 +70,12 @@ def uniform(generator: torch.Generator | None) -> float:
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from a distribution (a one-hot one gives its token without a random draw)."""
-    if float(probs.max()) == 1.0:
+    """One token from a distribution (a one-hot one gives its token without a random draw).
+    Raises NothingToSample for one without mass."""
+    largest = float(probs.max())
+    if largest == 1.0:
         return int(probs.argmax())
+    if not largest > 0.0:  # all zero (or NaN)
+        raise NothingToSample(NOTHING_TO_SAMPLE)
     device = "cpu" if generator is None else generator.device
     return int(torch.multinomial(probs.to(device), 1, generator=generator))

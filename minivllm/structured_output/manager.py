@@ -16,12 +16,15 @@ The pieces, and where they run:
 
 - `StructuredOutputManager` (one per engine): checks a request's spec when it arrives (a bad
   schema is a ValueError then, and nothing else is affected), and compiles each distinct spec
-  once, on a background thread, so that a slow compile never stalls other requests' steps.
+  once, on a background thread, so that a slow compile never stalls other requests' steps. The
+  compiled grammars are kept in a cache with a byte budget (`CompiledGrammarCache`): a server
+  whose clients send a new schema with every request must not grow without bound.
 - `RequestGrammar` (one per sequence): its matcher. The scheduler waits for its compile before
   admitting it, asks it for this step's masks (one per row the runner samples: with draft tokens
-  of chapter 08, one per draft position), keeps only the drafts the grammar allows, and advances
+  of chapter 08, one per draft position), keeps only the drafts worth verifying, and advances
   it with every emitted token. A preempted sequence keeps its output tokens, so its matcher
-  stays where it was.
+  stays where it was. A compile that fails, or a token the grammar rejects, ends that one
+  sequence with finish_reason "error"; the engine goes on.
 - `apply_token_bitmasks`: the model runner masks the logits rows before sampling.
 
 `parse_grammar` is also called when a request is checked (`engine/processor.py`), so a spec that
@@ -32,7 +35,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -41,31 +46,108 @@ from minivllm.sample.sampling_params import StructuredOutputsParams
 
 XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
+# The byte budget of compiled grammars, in MiB: vLLM's variable and default.
+CACHE_MB_VARIABLE = "VLLM_XGRAMMAR_CACHE_MB"
+DEFAULT_CACHE_MB = 512
+
 
 class StructuredOutputManager:
     """Checks and compiles grammars for one engine's tokenizer and vocabulary."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, cache_limit_bytes: int | None = None):
         import xgrammar
 
         self.vocab_size = vocab_size
         # The tokenizer's vocabulary, padded to the model's (embedding rows past the tokenizer's
         # entries are never allowed).
         tokenizer_info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-        self.compiler = xgrammar.GrammarCompiler(tokenizer_info)
+        # xgrammar's own cache would keep a second, unbounded copy of every grammar: ours
+        # (below) is the only one.
+        self.compiler = xgrammar.GrammarCompiler(tokenizer_info, cache_enabled=False)
         self.compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self.compiled: dict[str, Future] = {}  # spec key -> its compile, shared by its requests
+        if cache_limit_bytes is None:
+            cache_limit_bytes = int(os.environ.get(CACHE_MB_VARIABLE, DEFAULT_CACHE_MB)) * 2**20
+        self.cache = CompiledGrammarCache(cache_limit_bytes)  # spec key -> its compile
         self.num_compiles = 0
 
     def grammar_for(self, spec: StructuredOutputsParams) -> RequestGrammar:
         """A fresh matcher state for one sequence. Raises ValueError for a spec that does not
         parse; the compile itself runs in the background (or is reused)."""
         key = spec.key()
-        if key not in self.compiled:
+        compiled = self.cache.get(key)
+        if compiled is None:
             grammar = parse_grammar(spec)
             self.num_compiles += 1
-            self.compiled[key] = self.compile_pool.submit(self.compiler.compile_grammar, grammar)
-        return RequestGrammar(self.compiled[key], self.vocab_size)
+            compiled = self.compile_pool.submit(self.compiler.compile_grammar, grammar)
+            self.cache.put(key, compiled)
+        return RequestGrammar(compiled, self.vocab_size)
+
+    def shutdown(self) -> None:
+        """Stop the compile thread; compiles still queued are cancelled (the engine is
+        stopping: nobody will run their requests)."""
+        self.compile_pool.shutdown(wait=False, cancel_futures=True)
+
+
+class CompiledGrammarCache:
+    """Compiles by spec key, least recently used first, within a byte budget: past it, the
+    oldest finished compiles are forgotten (xgrammar reports each one's size). A compile still
+    running has no size yet and stays; one that failed is dropped, so that the next request for
+    its spec tries again. Forgetting never hurts a running request: each holds its own compile
+    (a Future) for as long as it lives. Used from the engine's thread only."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self.size_bytes = 0  # of the finished compiles held
+        self._compiles: OrderedDict[str, Future] = OrderedDict()
+        self._sizes: dict[str, int] = {}  # key -> bytes, for the finished compiles
+        self._running: set[str] = set()  # keys whose compile had not finished when last seen
+
+    def __len__(self) -> int:
+        return len(self._compiles)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._compiles
+
+    def get(self, key: str) -> Future | None:
+        """The compile of `key`, now the most recently used; None if there is none."""
+        self._settle()
+        compiled = self._compiles.get(key)
+        if compiled is not None:
+            self._compiles.move_to_end(key)
+        return compiled
+
+    def put(self, key: str, compiled: Future) -> None:
+        self._compiles[key] = compiled
+        self._running.add(key)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Count the compiles that finished since last time, then evict down to the budget."""
+        for key in [key for key in self._running if self._compiles[key].done()]:
+            self._running.discard(key)
+            if compile_failure(self._compiles[key]) is not None:
+                del self._compiles[key]
+                continue
+            self._sizes[key] = self._compiles[key].result().memory_size_bytes
+            self.size_bytes += self._sizes[key]
+        excess, evicted = self.size_bytes - self.limit_bytes, []
+        for key in self._compiles:  # least recently used first
+            if excess <= 0:
+                break
+            if key in self._sizes:
+                evicted.append(key)
+                excess -= self._sizes[key]
+        for key in evicted:
+            del self._compiles[key]
+            self.size_bytes -= self._sizes.pop(key)
+
+
+def compile_failure(compiled: Future) -> str | None:
+    """Why a finished compile failed, in one line; None if it succeeded."""
+    if compiled.cancelled():
+        return "the grammar's compile was cancelled"
+    error = compiled.exception()
+    return None if error is None else f"the grammar failed to compile: {plain(error)}"
 
 
 def parse_grammar(spec: StructuredOutputsParams):
@@ -103,9 +185,10 @@ def _parse_grammar_key(key: str):
         raise ValueError(f"structured_outputs.{kind} is not valid: {plain(error)}") from None
 
 
-def plain(error: RuntimeError) -> str:
-    """xgrammar's message without its "[time] file.cc:line: " prefix."""
-    return XGRAMMAR_PREFIX.sub("", str(error).strip().splitlines()[-1])
+def plain(error: Exception) -> str:
+    """xgrammar's message without its "[time] file.cc:line: " prefix, on one line."""
+    lines = str(error).strip().splitlines()
+    return XGRAMMAR_PREFIX.sub("", lines[-1]) if lines else type(error).__name__
 
 
 class RequestGrammar:
@@ -118,8 +201,14 @@ class RequestGrammar:
 
     @property
     def is_ready(self) -> bool:
-        """Whether the compile has finished (the scheduler admits the sequence only then)."""
+        """Whether the compile has finished, well or not (the scheduler admits the sequence
+        only then, or ends it with `compile_error`)."""
         return self._compiled.done()
+
+    @property
+    def compile_error(self) -> str | None:
+        """Why the compile failed, once it has; None while it runs or when it succeeded."""
+        return compile_failure(self._compiled) if self._compiled.done() else None
 
     @property
     def matcher(self):
@@ -136,36 +225,50 @@ class RequestGrammar:
 
     def token_bitmasks(self, draft_token_ids: list[int]) -> torch.Tensor:
         """[len(drafts) + 1, ceil(vocab / 32)] int32: the tokens allowed after the output so
-        far, then after each draft in turn (chapter 08's rows). Leaves the matcher where it was."""
+        far, then after each draft in turn (chapter 08's rows). Leaves the matcher where it was.
+        A last draft the grammar forbids (kept to be rejected, see `valid_drafts`) gets the
+        mask that forbids it; the row after it is never sampled."""
         import xgrammar
 
         bitmasks = xgrammar.allocate_token_bitmask(len(draft_token_ids) + 1, self.vocab_size)
+        accepted = 0
         for row, token in enumerate(draft_token_ids):
             self.matcher.fill_next_token_bitmask(bitmasks, row)
-            self.matcher.accept_token(token)
-        if self.matcher.is_terminated():
-            # The last draft ended the sequence: what the target samples after it is dropped.
-            bitmasks[-1] = -1
+            if not self.matcher.accept_token(token):
+                break  # the forbidden last draft
+            accepted += 1
+        if accepted < len(draft_token_ids) or self.matcher.is_terminated():
+            # After a forbidden draft, or after the end of the sequence, what the target
+            # samples is dropped: allow everything, so the row is well formed.
+            bitmasks[accepted + 1 :] = -1
         else:
             self.matcher.fill_next_token_bitmask(bitmasks, len(draft_token_ids))
-        self.matcher.rollback(len(draft_token_ids))
+        self.matcher.rollback(accepted)
         return bitmasks
 
-    def valid_drafts(self, draft_token_ids: list[int]) -> list[int]:
-        """The drafts up to the first one the grammar forbids (a draft model or an n-gram
-        lookup knows nothing of the grammar)."""
+    def valid_drafts(self, draft_token_ids: list[int], keep_forbidden: bool = False) -> list[int]:
+        """The drafts worth verifying (a draft model or an n-gram lookup knows nothing of the
+        grammar): those up to the first one the grammar forbids, and none past the end of the
+        sequence. With `keep_forbidden`, the first forbidden draft too: a draft drawn from a
+        distribution q that is not one-hot must be verified to keep the output exact (the
+        target rejects it, p = 0 there, and draws from the residual max(0, p - q)); cutting it
+        would sample from p itself. For a one-hot q the residual is p, so the cut is the same
+        and saves a row."""
         accepted = 0
         for token in draft_token_ids:
-            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
-                break  # forbidden, or past the end of the sequence
+            if self.matcher.is_terminated():
+                break  # past the end of the sequence: nothing after it is emitted
+            if not self.matcher.accept_token(token):
+                self.matcher.rollback(accepted)
+                return draft_token_ids[: accepted + 1 if keep_forbidden else accepted]
             accepted += 1
         self.matcher.rollback(accepted)
         return draft_token_ids[:accepted]
 
-    def accept(self, token_id: int) -> None:
-        """Advance past an emitted token (one the mask allowed)."""
-        if not self.matcher.is_terminated() and not self.matcher.accept_token(token_id):
-            raise RuntimeError(f"token {token_id} was emitted although the grammar forbids it")
+    def accept(self, token_id: int) -> bool:
+        """Advance past an emitted token; False if the grammar forbids it (the mask should
+        have: the sequence then ends with an error, and the matcher stays where it was)."""
+        return self.matcher.is_terminated() or self.matcher.accept_token(token_id)
 
 
 def apply_token_bitmasks(logits: torch.Tensor, rows: list[int], bitmasks: torch.Tensor) -> None:

@@ -11,6 +11,9 @@ generator. Each step it lays the scheduled tokens side by side:
     slot_mapping    [A.table[2]*16+9,        B.table[0]*16+4, ...]   where its K/V are written
     sample_rows     [0,                      3]               last row of each sequence that
                                                               reached the end of its tokens
+
+A request that asks for prompt logprobs also has the rows of its prompt chunk scored: the row
+at position p gives the distribution of prompt token p + 1.
 """
 
 from __future__ import annotations
@@ -42,6 +45,18 @@ class CachedRequestState(SequenceTokens):
     # drafts were drawn from (None: certain drafts).
     num_draft_cached: int = 0
     draft_probs: torch.Tensor | None = None
+    # Prompt logprobs: prompt tokens 1 .. this - 1 are scored already. A prompt recomputed
+    # after a preemption is not scored again.
+    num_prompt_tokens_scored: int = 1
+
+
+@dataclass
+class PromptLogprobRows:
+    """The rows of one request's prompt chunk whose logits score the prompt tokens after them:
+    rows[j] scores prompt token first_token + j."""
+
+    first_token: int
+    rows: range
 
 
 @dataclass
@@ -59,6 +74,8 @@ class InputBatch:
     # Chapter 08: request id -> the rows of its last known token and of its draft tokens (the
     # target's distribution at each draft position, and after the last one).
     spec_rows: dict[str, list[int]]
+    # Requests with prompt_logprobs whose chunk holds prompt tokens not scored yet.
+    prompt_logprob_rows: dict[str, PromptLogprobRows]
 
 
 def prepare_inputs(
@@ -75,7 +92,7 @@ def prepare_inputs(
     row from the last known token on is scored.
     """
     spec_tokens = spec_tokens or {}
-    batch = InputBatch([], [], [], [], [], [], [], [], {})
+    batch = InputBatch([], [], [], [], [], [], [], [], {}, {})
     for req_id, num_new in num_scheduled_tokens.items():
         state = requests[req_id]
         drafts = spec_tokens.get(req_id, [])
@@ -93,4 +110,21 @@ def prepare_inputs(
         elif end == state.num_tokens:
             batch.sample_rows.append(len(batch.input_ids) - 1)
             batch.sample_req_ids.append(req_id)
+        if state.params.prompt_logprobs is not None:
+            rows = _prompt_logprob_rows(state, start, end, first_row)
+            if rows is not None:
+                batch.prompt_logprob_rows[req_id] = rows
     return batch
+
+
+def _prompt_logprob_rows(
+    state: CachedRequestState, start: int, end: int, first_row: int
+) -> PromptLogprobRows | None:
+    """The rows of positions start..end-1 that score prompt tokens not scored yet: position
+    p scores token p + 1, for the tokens num_prompt_tokens_scored .. end (within the prompt)."""
+    first_token = max(start + 1, state.num_prompt_tokens_scored)
+    last_token = min(end, len(state.prompt_token_ids) - 1)
+    if first_token > last_token:
+        return None
+    rows = range(first_row + first_token - 1 - start, first_row + last_token - start)
+    return PromptLogprobRows(first_token, rows)

@@ -6,7 +6,7 @@ up to date (new requests, new tokens and blocks, preemptions, finished ones), th
 scheduled tokens side by side in one flat batch (`worker/input_batch.py`), runs the model once
 with the attention backend reading and writing the paged pool, and samples a token for every
 request whose step reached the end of its known tokens. It returns plain data too: request
-id -> sampled token ids and logprobs.
+id -> sampled token ids and logprobs, and the prompt logprobs of the chunks it computed.
 """
 
 from __future__ import annotations
@@ -16,15 +16,24 @@ import torch
 from minivllm.attention.backend import AttentionMetadata, PagedAttentionBackend, PagedKVCache
 from minivllm.core.scheduler_output import SchedulerOutput
 from minivllm.models.llama import LlamaForCausalLM
-from minivllm.outputs import ModelRunnerOutput
-from minivllm.sample.sampler import Sampler
+from minivllm.outputs import ModelRunnerOutput, PromptLogprobsChunk
+from minivllm.sample.sampler import Sampler, prompt_token_logprobs
 from minivllm.sequence import own_generator
 from minivllm.spec_decode.draft_model_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.proposal import ProposalRequest
-from minivllm.spec_decode.rejection_sampler import rejection_sample
+from minivllm.spec_decode.rejection_sampler import NothingToSample, rejection_sample
 from minivllm.structured_output.manager import apply_token_bitmasks
-from minivllm.worker.input_batch import CachedRequestState, InputBatch, prepare_inputs
+from minivllm.worker.input_batch import (
+    CachedRequestState,
+    InputBatch,
+    PromptLogprobRows,
+    prepare_inputs,
+)
+
+# Prompt logprobs project at most this many positions onto the vocabulary at once, so a long
+# prompt chunk holds [512, vocab] float32 logits (96 MiB for a 49k vocabulary), never more.
+PROMPT_LOGITS_ROWS = 512
 
 
 class ModelRunner:
@@ -68,22 +77,29 @@ class ModelRunner:
             torch.tensor(batch.positions, device=self.device),
             self.attention_backend(self.kv_cache, metadata),
         )
+        output = ModelRunnerOutput()
+        for req_id, rows in batch.prompt_logprob_rows.items():
+            chunk = self.score_prompt(self.requests[req_id], hidden, rows)
+            if chunk is not None:  # None on a tensor-parallel follower
+                output.prompt_logprobs[req_id] = chunk
         spec_rows = [row for rows in batch.spec_rows.values() for row in rows]
         if not batch.sample_req_ids and not spec_rows:
-            return ModelRunnerOutput()
+            return output
         logits = self.model.compute_logits(hidden[batch.sample_rows + spec_rows])
         if logits is None:  # a tensor-parallel follower (chapter 07): rank 0 samples
             return ModelRunnerOutput()
         if scheduler_output.grammar_bitmasks:  # chapter 10
             self.apply_grammars(logits, batch, scheduler_output.grammar_bitmasks)
-        output = ModelRunnerOutput()
         num_plain = len(batch.sample_rows)
         if num_plain:
             rows = [self.requests[req_id].sampling_row() for req_id in batch.sample_req_ids]
             sampled = self.sampler(logits[:num_plain], rows)
-            for req_id, token_id, token_logprobs in zip(
-                batch.sample_req_ids, sampled.token_ids, sampled.logprobs
+            for req_id, token_id, token_logprobs, error in zip(
+                batch.sample_req_ids, sampled.token_ids, sampled.logprobs, sampled.errors
             ):
+                if error is not None:  # this request alone ends
+                    output.errors[req_id] = error
+                    continue
                 output.sampled_token_ids[req_id] = [token_id]
                 output.logprobs[req_id] = None if token_logprobs is None else [token_logprobs]
         # Chapter 08: verify each request's drafts against its rows of logits.
@@ -91,12 +107,34 @@ class ModelRunner:
         for req_id, rows in batch.spec_rows.items():
             drafts = scheduler_output.scheduled_spec_decode_tokens[req_id]
             request_logits = logits[offset : offset + len(rows)]
-            tokens, logprobs = self.verify(req_id, drafts, request_logits)
-            output.sampled_token_ids[req_id], output.logprobs[req_id] = tokens, logprobs
+            try:
+                tokens, logprobs = self.verify(req_id, drafts, request_logits)
+            except NothingToSample as error:  # this request alone ends
+                output.errors[req_id] = str(error)
+            else:
+                output.sampled_token_ids[req_id], output.logprobs[req_id] = tokens, logprobs
             offset += len(rows)
         if self.proposer is not None:
             output.spec_token_ids = self.propose(output.sampled_token_ids)
         return output
+
+    def score_prompt(
+        self, state: CachedRequestState, hidden: torch.Tensor, prompt_rows: PromptLogprobRows
+    ) -> PromptLogprobsChunk | None:
+        """The prompt logprobs of one request's chunk: each prompt token's logprob and rank and
+        the top tokens before it, under the model's own distribution, top-k taken here so that
+        only those few numbers leave the runner. Every rank of a tensor-parallel group runs
+        it (each logits gather needs them all); the followers get None."""
+        state.num_prompt_tokens_scored = prompt_rows.first_token + len(prompt_rows.rows)
+        first, tokens = prompt_rows.first_token, []
+        for offset in range(0, len(prompt_rows.rows), PROMPT_LOGITS_ROWS):
+            rows = prompt_rows.rows[offset : offset + PROMPT_LOGITS_ROWS]
+            logits = self.model.compute_logits(hidden[rows.start : rows.stop])
+            if logits is None:
+                continue
+            next_tokens = state.prompt_token_ids[first + offset : first + offset + len(rows)]
+            tokens += prompt_token_logprobs(logits, next_tokens, state.params.prompt_logprobs)
+        return PromptLogprobsChunk(first, tokens) if tokens else None
 
     @staticmethod
     def apply_grammars(
@@ -159,7 +197,8 @@ class ModelRunner:
         drafts = {}
         for request, proposal in zip(requests, self.proposer.propose_batch(requests)):
             state = self.requests[request.req_id]
-            state.num_draft_cached = len(request.token_ids)
+            if proposal.num_draft_cached is not None:
+                state.num_draft_cached = proposal.num_draft_cached
             state.draft_probs = proposal.probs
             drafts[request.req_id] = proposal.token_ids
         return drafts

@@ -120,7 +120,10 @@ class Worker:
         kv_cache = PagedKVCache(
             self.rank_model_config, num_blocks, self.config.block_size, self.dtype, self.device
         )
-        sampler = Sampler(default_generator=make_generator(self.config.seed, self.device))
+        sampler = Sampler(
+            default_generator=make_generator(self.config.seed, self.device),
+            logprobs_mode=self.config.logprobs_mode,
+        )
         proposer = self._make_proposer(num_blocks, sampler)
         self.model_runner = ModelRunner(
             self.model, kv_cache, self.attention_backend, sampler, proposer
@@ -153,6 +156,7 @@ class Worker:
             sampler,
             speculative.num_speculative_tokens,
             speculative.num_draft_layers,
+            max_num_tokens=self.config.max_num_batched_tokens,
         )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -160,27 +164,40 @@ class Worker:
 
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
-        """Run the largest batch once through the real attention backend (on a pool just big
-        enough for it), measure the peak memory, and give the KV cache whatever
+        """Run the largest batch once, measure the peak memory, and give the KV cache whatever
         gpu_memory_utilization leaves."""
-        config, model_config = self.config, self.rank_model_config
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(config.max_num_batched_tokens, model_config.max_model_len)
-        table = list(range(cdiv(num_tokens, config.block_size)))
-        pool = PagedKVCache(model_config, len(table), config.block_size, self.dtype, self.device)
-        metadata = AttentionMetadata.build(
-            [num_tokens],
-            [num_tokens],
-            [table],
-            slot_mapping(table, config.block_size, 0, num_tokens),
-            device=self.device,
-        )
-        dummy = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(num_tokens, device=self.device)
-        hidden = self.model(dummy, positions, self.attention_backend(pool, metadata))
-        self.model.compute_logits(hidden[-config.max_num_seqs :])
+        self.run_largest_batch()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         _, total = torch.cuda.mem_get_info(self.device)
-        return int(total * config.gpu_memory_utilization) - peak
+        return int(total * self.config.gpu_memory_utilization) - peak
+
+    @torch.inference_mode()
+    def run_largest_batch(self) -> None:
+        """A forward of max_num_batched_tokens tokens through the real attention backend (on a
+        pool just big enough for it), with logits for max_num_seqs rows. Chapter 08: then the
+        same through the draft model, whose catch-up forward may be as large."""
+        config = self.config
+        runs = [(self.model, self.rank_model_config, None)]
+        if self.draft_model is not None:
+            runs.append((self.draft_model, self.draft_config, config.speculative.num_draft_layers))
+        for model, model_config, num_layers in runs:
+            num_tokens = min(config.max_num_batched_tokens, model_config.max_model_len)
+            table = list(range(cdiv(num_tokens, config.block_size)))
+            pool = PagedKVCache(
+                model_config, len(table), config.block_size, self.dtype, self.device
+            )
+            metadata = AttentionMetadata.build(
+                [num_tokens],
+                [num_tokens],
+                [table],
+                slot_mapping(table, config.block_size, 0, num_tokens),
+                device=self.device,
+            )
+            dummy = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            positions = torch.arange(num_tokens, device=self.device)
+            attention = self.attention_backend(pool, metadata)
+            hidden = model(dummy, positions, attention, num_layers)
+            model.compute_logits(hidden[-config.max_num_seqs :])

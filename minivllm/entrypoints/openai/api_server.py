@@ -10,15 +10,22 @@
 
 Every error is a JSON body in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 and leaves the server as it was: 400 for a bad request (its message names the field), 401
-without the API key, 404 for an unknown route or model, 413 for a body over the limit, 503
-when too many requests already wait. The server binds the loopback address unless told
-otherwise: it has no TLS and, without --api-key, no authentication.
+without the API key, 404 for an unknown route or model, 405 (with `Allow`) for a wrong method,
+413 for a body over the limit, 503 when too many requests already wait, 500 for a failure of
+ours; a stream that fails once started ends with an error event and `[DONE]`. The routes
+declare their request models, so `/openapi.json` documents every body and every error.
+
+The model directory's generation_config.json gives the defaults of the sampling fields a
+request leaves out (vLLM's `--generation-config auto`; "vllm" ignores it; or a folder).
+
+The server binds the loopback address unless told otherwise: it has no TLS and, without
+--api-key, no authentication.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
+import logging
 import secrets
 import socket
 import threading
@@ -30,31 +37,43 @@ from pathlib import Path
 import httpx
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.config import EngineConfig
-from minivllm.engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.metrics import make_registry
 from minivllm.entrypoints.openai.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
+    RequestFieldError,
+    SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
 )
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from minivllm.entrypoints.openai.serving_engine import OpenAIError, cancel_on_disconnect
+from minivllm.entrypoints.openai.serving_engine import (
+    OpenAIError,
+    as_openai_error,
+    cancel_on_disconnect,
+    with_error_event,
+)
+from minivllm.models.loader import load_generation_defaults
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
-# A message such as "top_p must be > 0 and <= 1, got 0.0" names its field first.
-FIELD_IN_MESSAGE = re.compile(r"^(\w+) must ")
 
 
 @dataclass
@@ -65,53 +84,94 @@ class ServerSettings:
     served_model_name: str | None = None  # default: the model directory's name
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_waiting_requests: int | None = 1024
+    # "auto": the model directory's generation_config.json; "vllm": none; or a folder holding one
+    generation_config: str = "auto"
+    # The engine core in a process of its own (vLLM V1's design), or stepped in a thread here.
+    engine_core_process: bool = True
+
+
+def sampling_defaults(generation_config: str, model_path) -> dict:
+    """The sampling defaults `--generation-config` names."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto":
+        defaults = load_generation_defaults(model_path)
+    else:
+        defaults = load_generation_defaults(generation_config, required=True)
+    if defaults:
+        logger.warning(
+            "Default sampling parameters have been overridden by the model's generation "
+            "config: %s. If this is not intended, start the server with --generation-config "
+            "vllm.",
+            defaults,
+        )
+    return defaults
 
 
 # --- errors --------------------------------------------------------------------------------------
 
 
-def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.response().model_dump(), status_code=error.status)
+def error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.response().model_dump(), status_code=error.status, headers=headers)
 
 
-def as_openai_error(error: Exception) -> OpenAIError:
-    """The client-facing form of an error raised while starting a request."""
-    if isinstance(error, OpenAIError):
-        return error
-    if isinstance(error, (ValueError, TypeError)):
-        match = FIELD_IN_MESSAGE.match(str(error))
-        return OpenAIError(400, str(error), param=match.group(1) if match else None)
-    if isinstance(error, (EngineOverloadedError, EngineDeadError)):
-        return OpenAIError(503, str(error))
-    raise error
-
-
-def validation_message(error: ValidationError) -> tuple[str, str | None]:
-    """Pydantic's errors as one message, and the first offending field."""
+def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
+    """Pydantic's errors as one message, and the first offending field (the location in the
+    body, without FastAPI's leading "body")."""
     parts, param = [], None
     for item in error.errors():
-        location = ".".join(str(part) for part in item["loc"])
+        loc = item["loc"][1:] if item["loc"][:1] == ("body",) else item["loc"]
+        if item["type"] == "json_invalid":  # its location is a character position
+            parts.append(f"Invalid JSON: {item['ctx']['error']} at character {loc[0]}")
+            continue
+        location = ".".join(str(part) for part in loc)
         param = param or location or None
         parts.append(f"{location}: {item['msg']}" if location else item["msg"])
     return "; ".join(parts), param
 
 
-async def read_request(raw_request: Request, model: type[BaseModel], limit: int) -> BaseModel:
-    """The body, parsed and type-checked: 413 over `limit` bytes (checked while reading, so a
-    huge body is never held in memory), 400 for malformed JSON or wrong types."""
-    declared = raw_request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise OpenAIError(413, f"the request body is {declared} bytes; the limit is {limit}")
-    body = bytearray()
-    async for chunk in raw_request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise OpenAIError(413, f"the request body is over the limit of {limit} bytes")
-    try:
-        return model.model_validate_json(bytes(body))
-    except ValidationError as error:
-        message, param = validation_message(error)
-        raise OpenAIError(400, message, param) from None
+class BodyLimitMiddleware:
+    """413 for a request body over `limit` bytes, checked while it arrives (a huge body is
+    never held in memory); the body is then handed on to the app as it came."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            message = f"the request body is {int(declared)} bytes; the limit is {self.limit}"
+            await error_response(OpenAIError(413, message))(scope, receive, send)
+            return
+        body, first = bytearray(), None
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                first = message  # the client left before sending it all
+                break
+            body += message.get("body", b"")
+            if len(body) > self.limit:
+                error = OpenAIError(
+                    413, f"the request body is over the limit of {self.limit} bytes"
+                )
+                await error_response(error)(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        first = first or {"type": "http.request", "body": bytes(body), "more_body": False}
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return first
+            return await receive()  # later: the disconnect the routes watch for
+
+        await self.app(scope, replay, send)
 
 
 class ApiKeyMiddleware:
@@ -156,21 +216,41 @@ class ServerState:
 def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     """The FastAPI app serving `engine` (which it does not own: the caller shuts it down)."""
     model_name = settings.served_model_name or Path(engine.model_path).name
-    app = FastAPI(title="minivllm OpenAI-compatible server")
+    defaults = sampling_defaults(settings.generation_config, engine.model_path)
+    # A body without a Content-Type is read as JSON, as OpenAI's and vLLM's servers do.
+    app = FastAPI(title="minivllm OpenAI-compatible server", strict_content_type=False)
     app.state.server = ServerState(
         engine=engine,
         settings=settings,
         model_name=model_name,
-        completions=OpenAIServingCompletion(engine, [model_name]),
-        chat=OpenAIServingChat(engine, [model_name]),
+        completions=OpenAIServingCompletion(engine, [model_name], defaults),
+        chat=OpenAIServingChat(engine, [model_name], defaults),
         registry=make_registry(engine, model_name),
     )
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_request_bytes)
     if settings.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_exception_handler(OpenAIError, openai_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(Exception, internal_error)
     app.include_router(router)
+    app.openapi = lambda: openapi_without_422(app)
     return app
+
+
+def openapi_without_422(app: FastAPI) -> dict:
+    """FastAPI's schema, less the 422 it documents for every body: this server answers
+    validation errors with OpenAI's 400, which the routes document instead."""
+    if app.openapi_schema is None:
+        app.openapi_schema = FastAPI.openapi(app)
+        for path in app.openapi_schema["paths"].values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = app.openapi_schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+    return app.openapi_schema
 
 
 router = APIRouter()
@@ -185,15 +265,52 @@ async def openai_error(_: Request, error: OpenAIError) -> JSONResponse:
 
 
 async def http_error(_: Request, error: StarletteHTTPException) -> JSONResponse:
-    return error_response(OpenAIError(error.status_code, str(error.detail)))
+    # A 405 keeps its `Allow` header.
+    return error_response(OpenAIError(error.status_code, str(error.detail)), error.headers)
 
 
-@router.get("/health")
+async def validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+    """A body that does not parse or fit the request model: OpenAI's 400 (FastAPI's default
+    would be a 422 in its own shape)."""
+    message, param = validation_message(error)
+    return error_response(OpenAIError(400, message, param))
+
+
+async def internal_error(_: Request, error: Exception) -> JSONResponse:
+    return error_response(as_openai_error(error))
+
+
+def documented(*statuses: int) -> dict:
+    """The `responses=` of a route's errors, in OpenAI's error shape, so that /openapi.json
+    describes everything the route may answer."""
+    return {status: {"model": ErrorResponse} for status in statuses}
+
+
+GENERATION_ERRORS = (400, 401, 404, 413, 500, 503)
+TOKENIZER_ERRORS = (400, 401, 404, 413, 500)
+
+
+def streamed(response_model, chunk_model) -> dict:
+    """A generation route's 200: JSON, or server-sent events of chunks."""
+    return {
+        "model": response_model,
+        "content": {"text/event-stream": {"schema": {"description": chunk_model.__name__}}},
+    }
+
+
+@router.get(
+    "/health",
+    response_class=Response,
+    responses={
+        200: {"description": "the engine is running"},
+        503: {"description": "the engine is not running"},
+    },
+)
 async def health(raw_request: Request) -> Response:
     return Response(status_code=200 if state_of(raw_request).engine.is_running else 503)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", responses=documented(401, 500))
 async def models(raw_request: Request) -> ModelList:
     state = state_of(raw_request)
     card = ModelCard(
@@ -204,9 +321,7 @@ async def models(raw_request: Request) -> ModelList:
     return ModelList(data=[card])
 
 
-async def generate(raw_request: Request, request_type: type[BaseModel], serving) -> Response:
-    limit = state_of(raw_request).settings.max_request_bytes
-    request = await read_request(raw_request, request_type, limit)
+async def generate(raw_request: Request, request: SamplingRequest, serving) -> Response:
     try:
         started = serving.start_request(request)
     except Exception as error:
@@ -214,27 +329,42 @@ async def generate(raw_request: Request, request_type: type[BaseModel], serving)
     if request.stream:
         # Starlette cancels the stream when the client disconnects; the generator's cleanup
         # then aborts the requests.
-        return StreamingResponse(serving.stream(request, started), media_type="text/event-stream")
-    response = await cancel_on_disconnect(raw_request, serving.respond(started))
+        events = with_error_event(serving.stream(request, started))
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        response = await cancel_on_disconnect(raw_request, serving.respond(request, started))
+    except Exception as error:
+        raise as_openai_error(error) from None
     if response is None:
         return Response(status_code=499)  # nobody is listening any more
     return JSONResponse(response.model_dump(mode="json"))
 
 
-@router.post("/v1/completions")
-async def create_completion(raw_request: Request) -> Response:
-    return await generate(raw_request, CompletionRequest, state_of(raw_request).completions)
+@router.post(
+    "/v1/completions",
+    responses={
+        **documented(*GENERATION_ERRORS),
+        200: streamed(CompletionResponse, CompletionResponse),
+    },
+)
+async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+    return await generate(raw_request, request, state_of(raw_request).completions)
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(raw_request: Request) -> Response:
-    return await generate(raw_request, ChatCompletionRequest, state_of(raw_request).chat)
+@router.post(
+    "/v1/chat/completions",
+    responses={
+        **documented(*GENERATION_ERRORS),
+        200: streamed(ChatCompletionResponse, ChatCompletionChunk),
+    },
+)
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+    return await generate(raw_request, request, state_of(raw_request).chat)
 
 
-@router.post("/tokenize")
-async def tokenize(raw_request: Request) -> TokenizeResponse:
+@router.post("/tokenize", responses=documented(*TOKENIZER_ERRORS))
+async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeResponse:
     state = state_of(raw_request)
-    request = await read_request(raw_request, TokenizeRequest, state.settings.max_request_bytes)
     state.completions.check_model(request.model)
     try:
         if request.messages is not None:
@@ -250,15 +380,31 @@ async def tokenize(raw_request: Request) -> TokenizeResponse:
     )
 
 
-@router.post("/detokenize")
-async def detokenize(raw_request: Request) -> DetokenizeResponse:
+@router.post("/detokenize", responses=documented(*TOKENIZER_ERRORS))
+async def detokenize(request: DetokenizeRequest, raw_request: Request) -> DetokenizeResponse:
     state = state_of(raw_request)
-    request = await read_request(raw_request, DetokenizeRequest, state.settings.max_request_bytes)
     state.completions.check_model(request.model)
+    vocab_size = state.completions.vocab_size
+    outside = [token for token in request.tokens if not 0 <= token < vocab_size]
+    if outside:
+        error = RequestFieldError(
+            "tokens", f"tokens has ids outside the vocabulary [0, {vocab_size}): {outside[:5]}"
+        )
+        raise as_openai_error(error)
     return DetokenizeResponse(prompt=state.engine.tokenizer.decode(request.tokens))
 
 
-@router.get("/metrics")
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        200: {
+            "description": "Prometheus' text format",
+            "content": {"text/plain": {"schema": {"type": "string"}}},
+        },
+        503: {"description": "the engine is not running"},
+    },
+)
 async def metrics(raw_request: Request) -> Response:
     # Reading the engine's counters waits for the current step: off the event loop.
     text = await asyncio.to_thread(generate_latest, state_of(raw_request).registry)
@@ -270,7 +416,9 @@ async def metrics(raw_request: Request) -> Response:
 
 def run_server(config: EngineConfig, settings: ServerSettings) -> None:
     """`minivllm serve`: load the engine, serve until Ctrl-C, shut the engine down."""
-    engine = AsyncLLM.from_config(config, settings.max_waiting_requests)
+    engine = AsyncLLM.from_config(
+        config, settings.max_waiting_requests, multiprocess=settings.engine_core_process
+    )
     try:
         app = build_app(engine, settings)
         uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")

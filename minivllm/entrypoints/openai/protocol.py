@@ -7,13 +7,21 @@ whose errors name the field, so both become a 400 with a message the user can ac
 
 Chapter 10 adds the form of the output, in either dialect: OpenAI's `response_format` (a JSON
 schema, or any JSON object) or vLLM's `structured_outputs` (json, regex, choice, grammar,
-json_object), both mapped onto `SamplingParams.structured_outputs`.
+json_object), both mapped onto `SamplingParams.structured_outputs`. Tool calling is built on
+the same machinery, as vLLM does it without a tool parser: `tool_choice` "required" or a named
+function becomes a JSON schema the answer must fit, and the answer is returned as `tool_calls`.
+
+Unknown fields are ignored, as OpenAI's clients send fields a server may not know; but an
+OpenAI field that would change the answer and that minivllm does not implement (`suffix`,
+`functions`, ...) is declared here so that setting it is a 400 naming it, never silently
+dropped.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,6 +29,21 @@ from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsPar
 
 # JSON has no -inf; a token the model rules out gets this log-probability instead (vLLM's value).
 MIN_LOGPROB = -9999.0
+# vLLM bounds `seed` to torch's int64 in its request model; a larger one is a 400, not a crash.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# OpenAI's bound on choices per request: without one, a single request for half a million
+# choices would occupy the engine for hours.
+MAX_CHOICES = 128
+# OpenAI's range for a logit bias; vLLM clamps to it.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+class RequestFieldError(ValueError):
+    """A value the server refuses, naming its field: the 400's `param`."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 class OpenAIBaseModel(BaseModel):
@@ -82,12 +105,16 @@ class ResponseFormat(OpenAIBaseModel):
 class SamplingRequest(OpenAIBaseModel):
     """The fields both generation endpoints share, and their translation to SamplingParams."""
 
+    # OpenAI fields that change the answer and are not implemented: refused when set.
+    unsupported_fields: ClassVar[tuple[str, ...]] = ()
+
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    logit_bias: dict[str, float] | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     stream: bool = False
@@ -103,6 +130,7 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    prompt_logprobs: int | None = None  # top candidates per prompt token (vLLM's extra)
     # chapter 10: the form of the output, OpenAI's way or vLLM's (pydantic fills the dataclass
     # and runs its checks, so a malformed one is a 400 naming structured_outputs)
     response_format: ResponseFormat | None = None
@@ -112,16 +140,46 @@ class SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def to_sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The request as SamplingParams; invalid values raise its ValueError naming the field."""
-        return SamplingParams(
-            n=self.n,
+    def check_supported(self) -> None:
+        """Refuse what would otherwise be silently ignored (vLLM's checks and messages)."""
+        for name in self.unsupported_fields:
+            if getattr(self, name) is not None:
+                raise RequestFieldError(name, f"{name} is not supported by minivllm")
+        if self.stream_options is not None and not self.stream:
+            raise RequestFieldError(
+                "stream_options", "Stream options can only be defined when `stream=True`."
+            )
+        if self.prompt_logprobs is not None and self.stream:
+            raise RequestFieldError(
+                "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."
+            )
+
+    def left_out(self, name: str) -> bool:
+        """Whether the request leaves a sampling field to the server's default."""
+        return name not in self.model_fields_set or getattr(self, name) is None
+
+    def to_sampling_params(
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: dict[str, Any],
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """The request as SamplingParams, `defaults` (the model's generation config) filling
+        the fields it leaves out; invalid values raise a ValueError naming the field."""
+        values = dict(
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None else self.top_k,
             min_p=self.min_p,
-            seed=self.seed,
+            repetition_penalty=self.repetition_penalty,
             max_tokens=max_tokens,
+        )
+        values.update({name: v for name, v in defaults.items() if self.left_out(name)})
+        return SamplingParams(
+            n=self.n,
+            **values,
+            seed=self.seed,
             min_tokens=self.min_tokens,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,
@@ -129,11 +187,28 @@ class SamplingRequest(OpenAIBaseModel):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.output_form(),
+            logit_bias=self.token_logit_bias(),
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def token_logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's `logit_bias` ({"token id": bias}) with int keys, each bias clamped to
+        [-100, 100] as vLLM does (the engine refuses ids outside the vocabulary)."""
+        if not self.logit_bias:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token_id = int(key)
+            except ValueError:
+                raise RequestFieldError(
+                    "logit_bias", f"logit_bias keys must be token ids, got {key!r}"
+                ) from None
+            bias[token_id] = min(max(value, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+        return bias
 
     def output_form(self) -> StructuredOutputsParams | None:
         """The constraint on the output, from whichever of the two fields sets one."""
@@ -147,13 +222,36 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingRequest):
+    unsupported_fields: ClassVar[tuple[str, ...]] = ("suffix",)
+
     # One prompt or a batch: a string, a list of strings, token ids, or a list of token-id lists.
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    # The prompt in front of the answer, with its logprobs when logprobs are asked for.
+    echo: bool = False
+    best_of: int | None = None  # only best_of == n: minivllm returns every sequence it makes
+    suffix: str | None = None
 
-    def sampling_params(self) -> SamplingParams:
-        return self.to_sampling_params(self.max_tokens, self.logprobs)
+    @property
+    def echo_only(self) -> bool:
+        """max_tokens=0 with echo: the prompt (and its logprobs) alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestFieldError(
+                "best_of", f"best_of must equal n ({self.n}) or be left out, got {self.best_of}"
+            )
+
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
+        # vLLM's way for max_tokens=0 with echo: generate one token and drop it.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        prompt_logprobs = self.prompt_logprobs
+        if prompt_logprobs is None and self.echo:
+            prompt_logprobs = self.logprobs
+        return self.to_sampling_params(max_tokens, self.logprobs, defaults, prompt_logprobs)
 
 
 class TextContent(OpenAIBaseModel):
@@ -161,32 +259,217 @@ class TextContent(OpenAIBaseModel):
     text: str
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # a JSON object, as a string
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | list[TextContent] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's answer to one of those calls
 
-    def as_template_message(self) -> dict[str, str]:
-        """{"role", "content"} with the content as one string, as chat templates expect."""
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as chat templates expect it: the content as one string, and a tool
+        call's arguments as a dict (Hugging Face templates render them; vLLM does the same)."""
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {
+                        "name": call.function.name,
+                        "arguments": _arguments_dict(call.function.arguments),
+                    },
+                }
+                for call in self.tool_calls
+            ]
+        return message
+
+
+def _arguments_dict(arguments: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise RequestFieldError(
+            "messages", f"tool call arguments must be a JSON object, got {arguments!r}"
+        )
+    return parsed
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    """`{"type": "function", "function": {"name": ...}}`: call this function."""
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+AUTO_TOOL_CHOICE_ERROR = (
+    '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+)
 
 
 class ChatCompletionRequest(SamplingRequest):
+    unsupported_fields: ClassVar[tuple[str, ...]] = (
+        "functions",
+        "function_call",
+        "audio",
+        "prediction",
+        "web_search_options",
+    )
+
     messages: list[ChatMessage]
     max_tokens: int | None = None  # None: as many as the context leaves
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: the template's options
+    tools: list[ChatCompletionTool] | None = None
+    # "none" (the default without tools): answer in text; "required": call one or more of the
+    # tools; a named function: call that one. ("auto" needs a tool parser, which minivllm has
+    # not: as in vLLM without one, it is refused, and it is the default when tools are given.)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    modalities: list[str] | None = None
 
-    def sampling_params(self) -> SamplingParams:
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when tools are given, "none" otherwise."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is a forced tool call ("required" or a named function)."""
+        return self.effective_tool_choice != "none"
+
+    def left_out(self, name: str) -> bool:
+        if name == "max_tokens":
+            return super().left_out("max_tokens") and super().left_out("max_completion_tokens")
+        return super().left_out(name)
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.modalities is not None and self.modalities != ["text"]:
+            raise RequestFieldError("modalities", "minivllm answers in text only")
+        choice = self.effective_tool_choice
+        if choice == "auto":
+            raise RequestFieldError("tool_choice", AUTO_TOOL_CHOICE_ERROR)
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise RequestFieldError("tool_choice", "When using `tool_choice`, `tools` must be set.")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in self.tool_names:
+            raise RequestFieldError(
+                "tool_choice", f"Tool '{choice.function.name}' has not been passed in `tools`."
+            )
+
+    @property
+    def tool_names(self) -> list[str]:
+        return [tool.function.name for tool in self.tools or []]
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template sees them (also with tool_choice "none", as vLLM)."""
+        if not self.tools:
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    def tool_call_schema(self) -> dict[str, Any] | None:
+        """The JSON schema a forced tool call must fit, as vLLM builds it: a named function's
+        parameters, or for "required" an array of {"name", "parameters"} objects."""
+        choice = self.effective_tool_choice
+        if isinstance(choice, NamedToolChoice):
+            tool = self.tools[self.tool_names.index(choice.function.name)]
+            return _parameters_schema(tool)
+        if choice != "required":
+            return None
+        schema: dict[str, Any] = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "anyOf": [
+                    {
+                        "properties": {
+                            "name": {"type": "string", "enum": [tool.function.name]},
+                            "parameters": _parameters_schema(tool),
+                        },
+                        "required": ["name", "parameters"],
+                    }
+                    for tool in self.tools
+                ],
+            },
+        }
+        # A parameters schema's "#/$defs/..." references resolve against the root here.
+        definitions = {}
+        for tool in self.tools:
+            definitions.update(_parameters_schema(tool).get("$defs", {}))
+        if definitions:
+            schema["$defs"] = definitions
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return schema
+
+    def output_form(self) -> StructuredOutputsParams | None:
+        schema = self.tool_call_schema()
+        if schema is None:
+            return super().output_form()
+        if super().output_form() is not None:
+            raise RequestFieldError(
+                "tool_choice",
+                "tool_choice required or a named function cannot be combined with "
+                "response_format or structured_outputs: the tool's schema is the answer's form",
+            )
+        return StructuredOutputsParams(json=schema)
+
+    def sampling_params(self, defaults: dict[str, Any]) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise RequestFieldError("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.to_sampling_params(max_tokens, logprobs)
+        return self.to_sampling_params(max_tokens, logprobs, defaults, self.prompt_logprobs)
+
+
+def _parameters_schema(tool: ChatCompletionTool) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object", "properties": {}}
 
 
 class TokenizeRequest(OpenAIBaseModel):
@@ -229,12 +512,25 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """vLLM's form of one candidate in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token, the first None (nothing comes before it): {token id: candidate}.
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM's extra: the stop string or token that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -263,6 +559,7 @@ class ChatChoiceLogprobs(OpenAIBaseModel):
 class AssistantMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIBaseModel):
@@ -280,11 +577,20 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's extra
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIBaseModel):

@@ -3,10 +3,17 @@
 The messages are formatted with the model's own chat template (`tokenizer.apply_chat_template`,
 as `LLM.chat` does) and the engine completes the token ids. A stream opens each choice with the
 assistant's role, then sends the content as it grows.
+
+Tools, as vLLM serves them without a tool parser: their definitions go into the chat template;
+`tool_choice` "required" or a named function makes the answer a JSON document fitting the
+tools' schema (chapter 10's structured outputs), which is returned as `tool_calls` rather than
+as content. A stream sends each choice's tool calls whole, in the chunk that ends the choice.
 """
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import AsyncIterator
 
 from minivllm.entrypoints.openai.protocol import (
@@ -18,6 +25,10 @@ from minivllm.entrypoints.openai.protocol import (
     ChatCompletionStreamChoice,
     ChatMessage,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
+    ToolCall,
     UsageInfo,
 )
 from minivllm.entrypoints.openai.serving_engine import (
@@ -28,6 +39,8 @@ from minivllm.entrypoints.openai.serving_engine import (
     chat_logprobs,
     final_outputs,
     merge_streams,
+    prompt_logprobs_response,
+    raise_if_failed,
     sse,
     usage_counts,
 )
@@ -37,33 +50,52 @@ from minivllm.tokenizer import apply_chat_template
 
 class OpenAIServingChat(OpenAIServing):
     def chat_prompt_ids(
-        self, messages: list[ChatMessage], add_generation_prompt: bool
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict] | None = None,
+        template_kwargs: dict | None = None,
     ) -> list[int]:
         """The conversation as token ids, through the model's chat template."""
         return apply_chat_template(
             self.engine.tokenizer,
             [message.as_template_message() for message in messages],
             add_generation_prompt=add_generation_prompt,
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
 
     def start_request(self, request: ChatCompletionRequest) -> StartedRequest:
-        params = request.sampling_params()
-        prompt_ids = self.chat_prompt_ids(request.messages, request.add_generation_prompt)
+        request.check_supported()
+        params = request.sampling_params(self.sampling_defaults)
+        prompt_ids = self.chat_prompt_ids(
+            request.messages,
+            request.add_generation_prompt,
+            request.template_tools(),
+            request.chat_template_kwargs,
+        )
         return self.start(
             request.model, "chatcmpl", [{"prompt_token_ids": prompt_ids}], params, request.priority
         )
 
-    async def respond(self, started: StartedRequest) -> ChatCompletionResponse:
+    async def respond(
+        self, request: ChatCompletionRequest, started: StartedRequest
+    ) -> ChatCompletionResponse:
         (output,) = await final_outputs(started.streams)
         choices = []
         for completion in output.outputs:
+            raise_if_failed(completion)
             delta = ChoiceProgress().advance(completion, started.params)
+            tool_calls = answer_tool_calls(request, delta.text)
+            message = AssistantMessage(content=delta.text)
+            if tool_calls is not None:
+                message = AssistantMessage(content="", tool_calls=tool_calls)
             choices.append(
                 ChatCompletionChoice(
                     index=completion.index,
-                    message=AssistantMessage(content=delta.text),
+                    message=message,
                     logprobs=self.logprobs(started, completion, delta),
-                    finish_reason=completion.finish_reason,
+                    finish_reason=finish_reason(request, completion, tool_calls),
                     stop_reason=completion.stop_reason,
                 )
             )
@@ -73,46 +105,60 @@ class OpenAIServingChat(OpenAIServing):
             model=started.model,
             choices=choices,
             usage=UsageInfo.of(*usage_counts([output])),
+            prompt_logprobs=prompt_logprobs_response(output),
         )
 
     async def stream(
         self, request: ChatCompletionRequest, started: StartedRequest
     ) -> AsyncIterator[str]:
         params = started.params
-        # The first chunk of every choice says who speaks, as OpenAI's streams do.
-        yield sse(
-            self.chunk(
-                started,
-                [
-                    ChatCompletionStreamChoice(
-                        index=i, delta=DeltaMessage(role="assistant", content="")
-                    )
-                    for i in range(params.n)
-                ],
-            )
-        )
+        # The first chunk of every choice says who speaks, one chunk per choice, as OpenAI's
+        # and vLLM's streams do.
+        for i in range(params.n):
+            role = DeltaMessage(role="assistant", content="")
+            yield sse(self.chunk(started, [ChatCompletionStreamChoice(index=i, delta=role)]))
         progress = [ChoiceProgress() for _ in range(params.n)]
         finished: list[RequestOutput] = []
         async for _, output in merge_streams(started.streams):
             for completion in output.outputs:
+                raise_if_failed(completion)
                 choice_progress = progress[completion.index]
                 if choice_progress.finished:
                     continue
                 delta = choice_progress.advance(completion, params)
+                if request.calls_tools and not choice_progress.finished:
+                    continue  # the tool calls are sent whole, once the choice is complete
                 if delta.token_end > delta.token_start or choice_progress.finished:
-                    choice = ChatCompletionStreamChoice(
-                        index=completion.index,
-                        delta=DeltaMessage(content=delta.text),
-                        logprobs=self.logprobs(started, completion, delta),
-                        finish_reason=completion.finish_reason,
-                        stop_reason=completion.stop_reason,
-                    )
+                    choice = self.stream_choice(request, started, completion, delta)
                     yield sse(self.chunk(started, [choice]))
             if output.finished:
                 finished.append(output)
         if request.include_usage:
             yield sse(self.chunk(started, [], UsageInfo.of(*usage_counts(finished))))
         yield sse("[DONE]")
+
+    def stream_choice(
+        self,
+        request: ChatCompletionRequest,
+        started: StartedRequest,
+        completion: CompletionOutput,
+        delta: Delta,
+    ) -> ChatCompletionStreamChoice:
+        tool_calls = None
+        message = DeltaMessage(content=delta.text)
+        if request.calls_tools:
+            tool_calls = answer_tool_calls(request, completion.text)
+            if tool_calls is not None:
+                message = DeltaMessage(tool_calls=stream_tool_calls(tool_calls))
+            else:
+                message = DeltaMessage(content=completion.text)
+        return ChatCompletionStreamChoice(
+            index=completion.index,
+            delta=message,
+            logprobs=None if request.calls_tools else self.logprobs(started, completion, delta),
+            finish_reason=finish_reason(request, completion, tool_calls),
+            stop_reason=completion.stop_reason,
+        )
 
     def chunk(
         self,
@@ -133,3 +179,56 @@ class OpenAIServingChat(OpenAIServing):
         if num_top is None or completion.logprobs is None:
             return None
         return chat_logprobs(completion, delta.token_start, delta.token_end, num_top)
+
+
+# --- tool calls ----------------------------------------------------------------------------------
+
+
+def tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
+
+
+def answer_tool_calls(request: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
+    """The answer of a forced tool call as `tool_calls`: a named function's arguments are the
+    whole text; "required" answers a JSON array of {"name", "parameters"}. None when the
+    request calls no tools, or when an answer cut short is not JSON yet (then it is content)."""
+    choice = request.effective_tool_choice
+    if isinstance(choice, NamedToolChoice):
+        return [
+            ToolCall(
+                id=tool_call_id(), function=FunctionCall(name=choice.function.name, arguments=text)
+            )
+        ]
+    if choice != "required":
+        return None
+    try:
+        calls = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    return [
+        ToolCall(
+            id=tool_call_id(),
+            function=FunctionCall(
+                name=call["name"], arguments=json.dumps(call["parameters"], ensure_ascii=False)
+            ),
+        )
+        for call in calls
+    ]
+
+
+def stream_tool_calls(tool_calls: list[ToolCall]) -> list[DeltaToolCall]:
+    return [
+        DeltaToolCall(index=i, id=call.id, type="function", function=call.function)
+        for i, call in enumerate(tool_calls)
+    ]
+
+
+def finish_reason(
+    request: ChatCompletionRequest, completion: CompletionOutput, tool_calls: list | None
+) -> str | None:
+    """vLLM's (and OpenAI's) rule: "tool_calls" when tool_choice "required" made its calls;
+    a named function's call ends with "stop"."""
+    required = request.effective_tool_choice == "required"
+    if required and tool_calls is not None and completion.finish_reason == "stop":
+        return "tool_calls"
+    return completion.finish_reason

