@@ -223,3 +223,20 @@ def test_engine_settings_name_a_backend_and_the_parallel_sizes(tiny_model_dirs):
     assert engine_overrides("dp=2,torch") == {"data_parallel_size": 2, "attention_backend": "torch"}
     with pytest.raises(ValueError, match="unknown engine setting 'pp=2'"):
         run_benchmark(BenchmarkContext.load(tiny_model_dirs["llama"]), None, ["engine:pp=2"])
+
+
+def test_code_version_names_the_checked_out_commit():
+    """Notebooks print it beside their numbers: it must be the commit the package runs from."""
+    import subprocess
+    from pathlib import Path
+
+    from minivllm.bench.benchmark import code_version
+
+    root = Path(__file__).resolve().parents[1]
+    head = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert code_version() in (f"commit {head}", f"commit {head}+changes")

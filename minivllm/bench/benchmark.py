@@ -622,6 +622,34 @@ def write_json(path: str | Path, workload: Workload, results: list[MethodResult]
     Path(path).write_text(json.dumps(record, indent=2))
 
 
+def code_version() -> str:
+    """The commit the package runs from (short hash, "+changes" when the tree differs from it),
+    so a notebook's printed numbers say which code made them; the package version outside a
+    git checkout."""
+    import subprocess
+    from importlib.metadata import version
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"minivllm {version('minivllm')}"
+    return f"commit {commit}" + ("+changes" if changed else "")
+
+
 def device_label() -> str:
     """A short name of the device, for figure titles and tables."""
     if torch.cuda.is_available():
