@@ -28,7 +28,7 @@ tour: setup
 # The whole test suite, notebooks included (quick mode), plus lint.
 test: setup
 	$(VENV)/bin/ruff check minivllm tests
-	HF_HUB_OFFLINE=1 MINIVLLM_QUICK=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q --durations=15
+	HF_HUB_OFFLINE=1 MINIVLLM_QUICK=1 MINIVLLM_ENFORCE_EAGER=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check minivllm tests

@@ -10,6 +10,7 @@ for early Mistral), which appear here as plain fields.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -325,6 +326,11 @@ class EngineConfig:
         "as logprobs or as logits",
         LOGPROBS_MODES,
     )
+    enforce_eager: bool = setting(
+        os.environ.get("MINIVLLM_ENFORCE_EAGER", "0") == "1",
+        "run the model one PyTorch operator at a time: no torch.compile (chapter 11) and no "
+        "CUDA graphs (default: MINIVLLM_ENFORCE_EAGER=1 in the environment, else compiled)",
+    )
     speculative_config: dict | str | None = setting(
         None,
         'speculative decoding, vLLM\'s keys as JSON: {"method": "ngram", '
@@ -348,7 +354,7 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None:
             int_at_least("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         float_in("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, False)
-        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 reject(name, getattr(self, name), "a bool")
         if self.speculative_config is not None:

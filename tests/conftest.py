@@ -13,6 +13,9 @@ import os
 # package and tiny models are written to temporary directories.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Engines run eagerly unless a test asks for the compiled model (chapter 11's tests do):
+# compiling costs each new process ten seconds or more, in every test server and notebook.
+os.environ.setdefault("MINIVLLM_ENFORCE_EAGER", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -248,7 +248,7 @@ LAYERS = [
         "minivllm.sequence",
     ],
     ["minivllm.attention", "minivllm.spec_decode", "minivllm.structured_output"],
-    ["minivllm.baselines", "minivllm.core"],
+    ["minivllm.baselines", "minivllm.core", "minivllm.compilation"],
     ["minivllm.worker"],
     ["minivllm.executor"],
     ["minivllm.engine"],

@@ -195,7 +195,8 @@ from minivllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2)
 print(*[p.pid for p in llm.llm_engine.executor.state.processes], flush=True)
 params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
-llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, params, use_tqdm=False)
+llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 16, params, use_tqdm=False)
+print("finished", flush=True)  # too early: 16 x 1000 tokens take far longer than a second
 """
 
 
@@ -214,7 +215,8 @@ def test_ctrl_c_leaves_no_worker_behind(tiny_dirs):
     time.sleep(1.0)  # mid-generation
     os.killpg(script.pid, signal.SIGINT)
     script.wait(timeout=60)
-    assert "KeyboardInterrupt" in script.stderr.read()
+    stdout, stderr = script.stdout.read(), script.stderr.read()
+    assert "KeyboardInterrupt" in stderr, (script.returncode, stdout, stderr)
     deadline = time.monotonic() + 10
     while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -451,17 +451,21 @@ ENGINE_SETTING_NAMES = {"tp": "tensor_parallel_size", "dp": "data_parallel_size"
 
 def engine_overrides(setting: str) -> dict:
     """ "dp=2,flex" -> {"data_parallel_size": 2, "attention_backend": "flex"}: the LLM
-    arguments an engine method's setting asks for."""
+    arguments an engine method's setting asks for ("eager" and "compiled" choose
+    enforce_eager, chapter 11)."""
     overrides = {}
     for item in filter(None, setting.split(",")):
         key, equals, value = item.partition("=")
-        if not equals:
+        if item in ("eager", "compiled"):
+            overrides["enforce_eager"] = item == "eager"
+        elif not equals:
             overrides["attention_backend"] = item
         elif key in ENGINE_SETTING_NAMES:
             overrides[ENGINE_SETTING_NAMES[key]] = int(value)
         else:
             raise ValueError(
-                f"unknown engine setting {item!r}; use an attention backend name, tp=N or dp=M"
+                f"unknown engine setting {item!r}; use an attention backend name, eager, "
+                "compiled, tp=N or dp=M"
             )
     return overrides
 

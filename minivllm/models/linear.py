@@ -33,6 +33,7 @@ peak.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -55,12 +56,40 @@ def uses_onednn(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype in _onednn_dtypes()
 
 
+# Chapter 11: the compiler traces tensors it can describe by shape, dtype and strides; a packed
+# weight is an opaque oneDNN object, which it cannot. So compiled code calls the product as a
+# custom operator (`packed_linear`) on the plain weight, and the operator finds the packed twin
+# by the plain weight's address (vLLM's CPU backend likewise hands its oneDNN matmul a handle).
+# The registry holds the packed tensors weakly: the layer that packed a weight owns the copy.
+_PACKED_WEIGHTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     """`weight` [out, in] rearranged once into oneDNN's blocked layout (an opaque tensor that
     only `linear` reads); None where the product does not run on oneDNN."""
     if not uses_onednn(weight):
         return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+    _PACKED_WEIGHTS[weight.data_ptr()] = packed
+    return packed
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    # "none": no activation fused after the product. PyTorch's compiler (inductor) calls the
+    # same operator, on weights packed the same way, for the linear layers it lowers to oneDNN.
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@torch.library.custom_op("minivllm::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias, read from the packed copy `pack_weight` made of `weight`."""
+    return _onednn_linear(x, _PACKED_WEIGHTS[weight.data_ptr()], bias)
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """What the compiler needs to know of the result: its shape and dtype."""
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def linear(
@@ -71,12 +100,16 @@ def linear(
 ) -> torch.Tensor:
     """x @ weight.T + bias, like `F.linear`, on the fastest library for x's device and dtype;
     `packed_weight`, when given, is `pack_weight(weight)` and is read instead of `weight`."""
-    if not uses_onednn(x):
+    compiling = torch.compiler.is_compiling()
+    if packed_weight is not None:
+        if compiling:
+            return torch.ops.minivllm.packed_linear(x, weight, bias)
+        return _onednn_linear(x, packed_weight, bias)
+    # Compiled code multiplies a plain weight as inductor chooses (its lowering of oneDNN's
+    # operator expects a packed weight).
+    if compiling or not uses_onednn(x):
         return F.linear(x, weight, bias)
-    # "none": no activation fused after the product. PyTorch's compiler (inductor) calls the
-    # same operator, on weights packed the same way, for the linear layers it lowers to oneDNN.
-    weight = weight if packed_weight is None else packed_weight
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return _onednn_linear(x, weight, bias)
 
 
 class Linear(nn.Linear):

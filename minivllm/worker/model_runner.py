@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from minivllm.attention.backend import AttentionMetadata, PagedAttentionBackend, PagedKVCache
+from minivllm.compilation.compiled_model import CompiledModel
 from minivllm.core.scheduler_output import SchedulerOutput
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.outputs import ModelRunnerOutput, PromptLogprobsChunk
@@ -44,8 +45,11 @@ class ModelRunner:
         attention_backend: type[PagedAttentionBackend],
         sampler: Sampler,
         proposer: NgramProposer | DraftModelProposer | None = None,
+        forward: CompiledModel | None = None,
     ):
         self.model = model
+        # The forward a step runs: the model compiled (chapter 11) or the model itself.
+        self.forward = model if forward is None else forward
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend
         self.sampler = sampler
@@ -72,7 +76,7 @@ class ModelRunner:
             batch.slot_mapping,
             device=self.device,
         )
-        hidden = self.model(
+        hidden = self.forward(
             torch.tensor(batch.input_ids, device=self.device),
             torch.tensor(batch.positions, device=self.device),
             self.attention_backend(self.kv_cache, metadata),

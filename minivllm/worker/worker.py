@@ -21,11 +21,13 @@ import torch
 
 from minivllm.attention.backend import (
     AttentionMetadata,
+    PagedAttentionBackend,
     PagedKVCache,
     get_attention_backend,
     resolve_attention_backend_name,
     slot_mapping,
 )
+from minivllm.compilation.compiled_model import CompiledModel, compilable
 from minivllm.config import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     EngineConfig,
@@ -125,13 +127,42 @@ class Worker:
             logprobs_mode=self.config.logprobs_mode,
         )
         proposer = self._make_proposer(num_blocks, sampler)
-        self.model_runner = ModelRunner(
-            self.model, kv_cache, self.attention_backend, sampler, proposer
-        )
         max_num_tokens = min(self.config.max_num_batched_tokens, self.model.config.max_model_len)
         self.attention_backend.warm_up(
             kv_cache, self.rank_model_config.num_heads, self.config.max_num_seqs, max_num_tokens
         )
+        self.model_runner = ModelRunner(
+            self.model, kv_cache, self.attention_backend, sampler, proposer, self._compile()
+        )
+
+    def _compile(self) -> CompiledModel | None:
+        """Chapter 11: the model compiled for every step's shape, before the first request
+        (None with enforce_eager, or where the model does not compile)."""
+        if self.config.enforce_eager or not compilable(self.model):
+            return None
+        compiled = CompiledModel(self.model)
+        compiled.compile(
+            lambda num_tokens: self.scratch_attention(self.rank_model_config, num_tokens)
+        )
+        return compiled
+
+    def scratch_attention(
+        self, model_config: ModelConfig, num_tokens: int
+    ) -> PagedAttentionBackend:
+        """The attention backend for one sequence of `num_tokens` new tokens, on a pool just
+        big enough for it: for forwards that only measure or compile."""
+        table = list(range(cdiv(num_tokens, self.config.block_size)))
+        pool = PagedKVCache(
+            model_config, len(table), self.config.block_size, self.dtype, self.device
+        )
+        metadata = AttentionMetadata.build(
+            [num_tokens],
+            [num_tokens],
+            [table],
+            slot_mapping(table, self.config.block_size, 0, num_tokens),
+            device=self.device,
+        )
+        return self.attention_backend(pool, metadata)
 
     def _make_proposer(
         self, num_blocks: int, sampler: Sampler
@@ -185,19 +216,8 @@ class Worker:
             runs.append((self.draft_model, self.draft_config, config.speculative.num_draft_layers))
         for model, model_config, num_layers in runs:
             num_tokens = min(config.max_num_batched_tokens, model_config.max_model_len)
-            table = list(range(cdiv(num_tokens, config.block_size)))
-            pool = PagedKVCache(
-                model_config, len(table), config.block_size, self.dtype, self.device
-            )
-            metadata = AttentionMetadata.build(
-                [num_tokens],
-                [num_tokens],
-                [table],
-                slot_mapping(table, config.block_size, 0, num_tokens),
-                device=self.device,
-            )
             dummy = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             positions = torch.arange(num_tokens, device=self.device)
-            attention = self.attention_backend(pool, metadata)
+            attention = self.scratch_attention(model_config, num_tokens)
             hidden = model(dummy, positions, attention, num_layers)
             model.compute_logits(hidden[-config.max_num_seqs :])

@@ -1,0 +1,92 @@
+"""Chapter 11 — the model compiled: one graph per shape family, fused by inductor.
+
+Eager PyTorch runs the model one operator at a time: for each of the ~400 operators of a step
+Python dispatches a call, and each elementwise one (a norm, the rotary rotation, SiLU times up,
+a residual add) reads and writes its whole tensor. `torch.compile` traces the forward once into
+a graph (dynamo), and inductor turns the graph into fused loops (C++ on a CPU, Triton on a
+GPU): a norm and the residual add before it become one pass over the hidden states, and the
+step's Python work shrinks to one call into generated code.
+
+Three decisions make one compilation serve every step:
+
+1. **Attention is opaque** (`compilation/forward_context.py`): the step's backend and its
+   metadata stay outside the graph.
+2. **The token count is symbolic.** The batch's first dimension is marked dynamic, so one graph
+   serves 2..max_num_batched_tokens tokens (dynamo specializes a count of 1, the batch-1
+   decode, into a graph of its own). `compile` traces both at engine start, under a progress
+   bar, so no request waits for it.
+3. **The packed weights stay** (`models/linear.py`): products call oneDNN on the same packed
+   weights as eager, so compiled and eager differ only in how the fused elementwise loops
+   round (a few float32 ulps), and greedy tokens agree with transformers.
+
+Inductor keeps what it generates on disk (`TORCHINDUCTOR_CACHE_DIR`, by default
+`/tmp/torchinductor_<user>`): a second engine start, even in a new process, reads compiled code
+back instead of generating it again. `enforce_eager=True` (vLLM's setting) skips all this.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from minivllm.attention.backend import PagedAttentionBackend
+from minivllm.compilation.forward_context import OPAQUE_ATTENTION, forward_context
+from minivllm.models.llama import LlamaForCausalLM
+
+# Dynamo keeps one compiled graph per shape family it meets (batch-1, any other count, the
+# layer-skip draft's shorter model, ...) and falls back to eager past this many.
+MAX_COMPILED_GRAPHS = 16
+
+
+def compilable(model: LlamaForCausalLM) -> bool:
+    """Whether this model's forward compiles: not when split across tensor-parallel ranks
+    (their all-reduces are not traced here; those ranks run eagerly)."""
+    return model.tp.size == 1
+
+
+class CompiledModel:
+    """`model`'s forward (token ids, positions, attention -> hidden states) compiled; called
+    like the model itself."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.config = model.config
+        self._forward = torch.compile(self._eager_forward, dynamic=None, fullgraph=True)
+        self.compile_seconds = 0.0
+
+    def _eager_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, num_layers: int | None
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, OPAQUE_ATTENTION, num_layers)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: PagedAttentionBackend,
+        num_layers: int | None = None,
+    ) -> torch.Tensor:
+        if len(input_ids) > 1:  # one graph for every count of two or more tokens
+            torch._dynamo.mark_dynamic(input_ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        with (
+            forward_context(attention),
+            torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_GRAPHS),
+        ):
+            return self._forward(input_ids, positions, num_layers)
+
+    def compile(self, make_attention, num_layers: int | None = None) -> float:
+        """Trace and compile the two graphs a step can need (one token; two or more), running
+        each once on dummy tokens through `make_attention(num_tokens)`, a backend over a
+        scratch pool. Returns the seconds it took."""
+        start = time.perf_counter()
+        device = self.model.model.embed_tokens.weight.device
+        for num_tokens in tqdm((1, 2), desc="compiling the model (torch.compile)", unit="graph"):
+            input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+            positions = torch.arange(num_tokens, device=device)
+            with torch.inference_mode():
+                self(input_ids, positions, make_attention(num_tokens), num_layers)
+        self.compile_seconds += time.perf_counter() - start
+        return self.compile_seconds

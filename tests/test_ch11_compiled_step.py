@@ -1,0 +1,151 @@
+"""Chapter 11 checks: a compiled model changes how a step runs, never which tokens it makes.
+
+The model compiled by torch.compile (attention an opaque operator, the products on the same
+packed oneDNN weights) gives transformers' greedy float32 tokens, on a mixed batch agrees with
+eager to float32 rounding, and never mixes up two models of the same shape.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import EOS_TOKEN_ID
+
+from minivllm import LLM, SamplingParams
+from minivllm.attention.backend import AttentionMetadata, PagedKVCache, slot_mapping
+from minivllm.attention.torch_paged import TorchPagedAttention
+from minivllm.compilation.compiled_model import CompiledModel
+from minivllm.compilation.forward_context import OPAQUE_ATTENTION
+from minivllm.models.loader import load_model
+
+BLOCK_SIZE = 4
+
+
+def attention_over(pool, query_lens, seq_lens, tables):
+    """The reference backend over `pool`, for one step of sequences."""
+    slots = []
+    for table, query_len, seq_len in zip(tables, query_lens, seq_lens):
+        slots += slot_mapping(table, BLOCK_SIZE, seq_len - query_len, seq_len)
+    return TorchPagedAttention(pool, AttentionMetadata.build(query_lens, seq_lens, tables, slots))
+
+
+@torch.inference_mode()
+def mixed_batch(model, prompt_lens: list[int], decode_lens: list[int]):
+    """A step with one whole prompt per `prompt_lens` entry and one decode per `decode_lens`
+    entry, whose context (that many tokens) the eager model prefilled into the pool first.
+    Returns (input_ids, positions, make_backend): each backend works on its own copy of the
+    pool, so two forwards read the same cached K/V."""
+    generator = torch.Generator().manual_seed(sum(prompt_lens) + sum(decode_lens))
+    vocab = model.config.vocab_size
+    tables, next_block = [], 0
+    for length in prompt_lens + decode_lens:
+        count = -(-length // BLOCK_SIZE)
+        tables.append(list(range(next_block, next_block + count)))
+        next_block += count
+    pool = PagedKVCache(
+        model.config, next_block, BLOCK_SIZE, model.model.embed_tokens.weight.dtype, "cpu"
+    )
+    decode_tables = tables[len(prompt_lens) :]
+    if decode_lens:  # the decodes' contexts, all but each one's last token
+        contexts = [n - 1 for n in decode_lens]
+        ids = torch.randint(0, vocab, (sum(contexts),), generator=generator)
+        positions = torch.cat([torch.arange(n) for n in contexts])
+        model(ids, positions, attention_over(pool, contexts, contexts, decode_tables))
+    query_lens = prompt_lens + [1] * len(decode_lens)
+    seq_lens = prompt_lens + decode_lens
+    input_ids = torch.randint(0, vocab, (sum(query_lens),), generator=generator)
+    positions = torch.cat([torch.arange(n - q, n) for q, n in zip(query_lens, seq_lens)])
+
+    def make_backend():
+        copy = PagedKVCache(
+            model.config, next_block, BLOCK_SIZE, model.model.embed_tokens.weight.dtype, "cpu"
+        )
+        copy.layers = [layer.clone() for layer in pool.layers]
+        return attention_over(copy, query_lens, seq_lens, tables)
+
+    return input_ids, positions, make_backend
+
+
+def runner(llm):
+    return llm.llm_engine.executor.driver_worker.model_runner
+
+
+def step_forward(llm):
+    """What the engine's steps call: the model itself or the model compiled."""
+    return runner(llm).forward
+
+
+@pytest.fixture(scope="module")
+def compiled_embedded(embedded_model):
+    return CompiledModel(embedded_model)
+
+
+@pytest.fixture(scope="module")
+def embedded_model_float64(embedded_dir):
+    """The reference both float32 forwards are measured against."""
+    return load_model(embedded_dir, torch.float64)
+
+
+@pytest.mark.parametrize(
+    "prompt_lens, decode_lens",
+    [([], [9]), ([7], []), ([5, 12], [3, 17, 30]), ([1], [40])],
+    ids=["one-decode", "one-prompt", "mixed", "one-token-prompt-and-decode"],
+)
+@torch.inference_mode()
+def test_compiled_forward_is_as_accurate_as_eager(
+    embedded_model, compiled_embedded, embedded_model_float64, prompt_lens, decode_lens
+):
+    """Against the same model in float64, the compiled float32 logits are no further off than
+    the eager ones (fused loops round differently, not worse), for batches of one token
+    (batch-1 decode, a graph of its own) and of many (the dynamic graph), prefills and
+    decodes. Random tokens make the rounding of either large enough to compare."""
+
+    def logits(model, forward):
+        input_ids, positions, make_backend = mixed_batch(model, prompt_lens, decode_lens)
+        return model.compute_logits(forward(input_ids, positions, make_backend())).double()
+
+    reference = logits(embedded_model_float64, embedded_model_float64)
+    eager_error = (logits(embedded_model, embedded_model) - reference).abs().max().item()
+    compiled_error = (logits(embedded_model, compiled_embedded) - reference).abs().max().item()
+    assert compiled_error <= 2 * eager_error + 1e-5, (compiled_error, eager_error)
+
+
+@torch.inference_mode()
+def test_two_models_of_one_shape_never_share_weights(embedded_dir, embedded_model):
+    """Compiled code is reused across models of the same shapes (weights are its inputs), so
+    a second model must give its own outputs, not the first one's."""
+    first, second = embedded_model, load_model(embedded_dir)
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.mul_(0.5)
+    second.pack_weights()
+    for model in (first, second):
+        input_ids, positions, make_backend = mixed_batch(model, [6], [5])
+        expected = model(input_ids, positions, make_backend())
+        got = CompiledModel(model)(input_ids, positions, make_backend())
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_engine_equals_transformers(embedded_dir, chat_prompts, transformers_greedy):
+    """The engine compiled (the default) emits transformers' greedy tokens, batched."""
+    llm = LLM(model=str(embedded_dir), max_num_seqs=4, enforce_eager=False)
+    assert isinstance(step_forward(llm), CompiledModel)
+    max_tokens = [6, 20, 24, 20]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=[EOS_TOKEN_ID])
+        for n in max_tokens
+    ]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params)
+    for output, prompt, n in zip(outputs, chat_prompts, max_tokens):
+        assert list(output.outputs[0].token_ids) == transformers_greedy(prompt, n)
+
+
+def test_enforce_eager_runs_the_model_itself(embedded_dir):
+    llm = LLM(model=str(embedded_dir), enforce_eager=True)
+    assert step_forward(llm) is runner(llm).model
+
+
+def test_attention_outside_a_forward_context_is_an_error():
+    q = torch.zeros(1, 2, 4)
+    with pytest.raises(RuntimeError, match="forward_context"):
+        OPAQUE_ATTENTION(0, q, q, q)
