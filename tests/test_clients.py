@@ -133,7 +133,7 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
         "--max-examples",
         "10",
         "--max-time",
-        "45",
+        "30",
         "--seed",
         "0",
         "--generation-deterministic",

