@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import subprocess
 from typing import NoReturn
 
 import torch
@@ -96,3 +97,12 @@ def token_id_list(name: str, value: object) -> list[int]:
         if isinstance(item, bool) or not isinstance(item, numbers.Integral) or item < 0:
             reject(name, value, "None or a list of int token ids, each >= 0")
     return [int(item) for item in value]
+
+
+def wait_or_kill(process: subprocess.Popen, timeout_s: float) -> None:
+    """Give a child process `timeout_s` to exit on its own, then kill it; reaped either way."""
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

@@ -35,6 +35,7 @@ import numpy as np
 from minivllm.bench.arrivals import poisson_arrivals
 from minivllm.entrypoints.openai.api_server import wait_until_healthy
 from minivllm.executor.multiproc import free_port
+from minivllm.utils import wait_or_kill
 
 PERCENTILES = (50, 90, 99)
 PERCENTILE_NAMES = tuple(f"p{p}" for p in PERCENTILES)
@@ -266,11 +267,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        wait_or_kill(self.process, 30)
         self.log.close()
 
     def __enter__(self) -> ServerProcess:

@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from minivllm.utils import wait_or_kill
+
 # Where `make peers` puts vLLM; MINIVLLM_VLLM_PYTHON names another interpreter.
 DEFAULT_VLLM_VENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 
@@ -130,12 +132,8 @@ class VLLMPeer:
 
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.stdin.close()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+            self.process.stdin.close()  # the peer's loop ends with its input
+            wait_or_kill(self.process, 30)
         self.log.close()
 
     def _send(self, message: dict) -> None:
