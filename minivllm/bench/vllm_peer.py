@@ -11,13 +11,16 @@ setup), then answers each "generate" with the tokens, and the benchmark's clock 
 
 "vllm" is vLLM's default on this machine (on two cores it keeps one for its front end);
 "vllm-tuned" is the setting its CPU documentation gives: tcmalloc and Intel OpenMP preloaded,
-every core bound to the model's threads.
+every core bound to the model's threads. Both get a 2 GiB KV cache (`KV_CACHE_ENV`).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -72,15 +75,20 @@ def find_vllm_python() -> Path:
     return python
 
 
+# Left to itself, vLLM's CPU build reserves 92% of the machine's memory for its KV cache and
+# refuses to start beside a process that holds more than the rest: every run gives it 2 GiB,
+# our engine's default pool on the CPU.
+KV_CACHE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
 def vllm_tuned_env(vllm_python: Path) -> dict[str, str]:
     """vLLM's CPU docs' setting for a small machine: tcmalloc and Intel OpenMP preloaded, every
     core for the model (its default keeps one for the front end)."""
     venv = vllm_python.parent.parent
-    return {
+    return KV_CACHE_ENV | {
         "LD_PRELOAD": f"/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:{venv}/lib/libiomp5.so",
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CPU_KVCACHE_SPACE": "2",
     }
 
 
@@ -96,7 +104,7 @@ class VLLMPeer:
         enable_prefix_caching: bool,
     ):
         python = find_vllm_python()
-        env = os.environ | (vllm_tuned_env(python) if tuned else {})
+        env = os.environ | (vllm_tuned_env(python) if tuned else KV_CACHE_ENV)
         # vLLM reads only what the run gives it: no hub, and not our compile switch.
         env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-peer-", suffix=".log")
@@ -107,6 +115,7 @@ class VLLMPeer:
             stderr=self.log,
             text=True,
             env=env,
+            start_new_session=True,  # a group of its own: `close` stops vLLM's children too
         )
         settings = dict(
             model=str(model_dir),
@@ -134,6 +143,8 @@ class VLLMPeer:
         if self.process.poll() is None:
             self.process.stdin.close()  # the peer's loop ends with its input
             wait_or_kill(self.process, 30)
+        with contextlib.suppress(ProcessLookupError):  # nothing of it left: as it should be
+            os.killpg(self.process.pid, signal.SIGKILL)
         self.log.close()
 
     def _send(self, message: dict) -> None:
@@ -141,10 +152,12 @@ class VLLMPeer:
         self.process.stdin.flush()
 
     def _receive(self) -> dict:
+        printed = collections.deque(maxlen=40)  # vLLM logs to stdout: kept for an error
         for line in self.process.stdout:
             if line.startswith(MARK):
                 return json.loads(line[len(MARK) :])
+            printed.append(line)
         self.process.wait()
         self.log.seek(0)
-        tail = self.log.read()[-3000:]
-        raise RuntimeError(f"the vLLM peer exited with code {self.process.returncode}:\n{tail}")
+        output = "".join(printed) + self.log.read()[-3000:]
+        raise RuntimeError(f"the vLLM peer exited with code {self.process.returncode}:\n{output}")

@@ -84,9 +84,11 @@ class CompiledModel:
         start = time.perf_counter()
         device = self.model.model.embed_tokens.weight.device
         for num_tokens in tqdm((1, 2), desc="compiling the model (torch.compile)", unit="graph"):
-            input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
-            positions = torch.arange(num_tokens, device=device)
+            # Made in inference mode, as every step's inputs are: a graph is guarded on how
+            # its inputs were made, and one traced on ordinary tensors would not serve a step.
             with torch.inference_mode():
+                input_ids = torch.zeros(num_tokens, dtype=torch.long, device=device)
+                positions = torch.arange(num_tokens, device=device)
                 self(input_ids, positions, make_attention(num_tokens), num_layers)
         self.compile_seconds += time.perf_counter() - start
         return self.compile_seconds

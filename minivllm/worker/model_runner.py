@@ -15,6 +15,7 @@ import torch
 
 from minivllm.attention.backend import AttentionMetadata, PagedAttentionBackend, PagedKVCache
 from minivllm.compilation.compiled_model import CompiledModel
+from minivllm.compilation.cuda_graphs import CUDAGraphRunner
 from minivllm.core.scheduler_output import SchedulerOutput
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.outputs import ModelRunnerOutput, PromptLogprobsChunk
@@ -48,8 +49,10 @@ class ModelRunner:
         forward: CompiledModel | None = None,
     ):
         self.model = model
-        # The forward a step runs: the model compiled (chapter 11) or the model itself.
+        # The forward a step runs: the model compiled (chapter 11) or the model itself; and on
+        # a GPU the decode steps recorded as CUDA graphs (`capture_cuda_graphs`), or None.
         self.forward = model if forward is None else forward
+        self.cuda_graphs: CUDAGraphRunner | None = None
         self.kv_cache = kv_cache
         self.attention_backend = attention_backend
         self.sampler = sampler
@@ -69,18 +72,7 @@ class ModelRunner:
             self.kv_cache.block_size,
             scheduler_output.scheduled_spec_decode_tokens,
         )
-        metadata = AttentionMetadata.build(
-            batch.query_lens,
-            batch.seq_lens,
-            batch.block_tables,
-            batch.slot_mapping,
-            device=self.device,
-        )
-        hidden = self.forward(
-            torch.tensor(batch.input_ids, device=self.device),
-            torch.tensor(batch.positions, device=self.device),
-            self.attention_backend(self.kv_cache, metadata),
-        )
+        hidden = self.run_forward(batch)
         output = ModelRunnerOutput()
         for req_id, rows in batch.prompt_logprob_rows.items():
             chunk = self.score_prompt(self.requests[req_id], hidden, rows)
@@ -122,6 +114,32 @@ class ModelRunner:
             output.spec_token_ids = self.propose(output.sampled_token_ids)
         return output
 
+    def run_forward(self, batch: InputBatch) -> torch.Tensor:
+        """Hidden states of the step's tokens: replayed from a CUDA graph when one holds the
+        step (chapter 11), otherwise a forward with this step's attention metadata."""
+        size = None if self.cuda_graphs is None else self.cuda_graphs.bucket(batch.query_lens)
+        if size is not None:
+            return self.cuda_graphs.run(
+                size,
+                batch.input_ids,
+                batch.positions,
+                batch.slot_mapping,
+                batch.seq_lens,
+                batch.block_tables,
+            )
+        metadata = AttentionMetadata.build(
+            batch.query_lens,
+            batch.seq_lens,
+            batch.block_tables,
+            batch.slot_mapping,
+            device=self.device,
+        )
+        return self.forward(
+            torch.tensor(batch.input_ids, device=self.device),
+            torch.tensor(batch.positions, device=self.device),
+            self.attention_backend(self.kv_cache, metadata),
+        )
+
     def score_prompt(
         self, state: CachedRequestState, hidden: torch.Tensor, prompt_rows: PromptLogprobRows
     ) -> PromptLogprobsChunk | None:
@@ -139,6 +157,14 @@ class ModelRunner:
             next_tokens = state.prompt_token_ids[first + offset : first + offset + len(rows)]
             tokens += prompt_token_logprobs(logits, next_tokens, state.params.prompt_logprobs)
         return PromptLogprobsChunk(first, tokens) if tokens else None
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Chapter 11: record a decode step of every batch-size bucket; the pool's last block
+        must be one the scheduler never hands out (padding rows write there)."""
+        self.cuda_graphs = CUDAGraphRunner(
+            self.forward, self.kv_cache, self.attention_backend, max_num_seqs, max_model_len
+        )
+        self.cuda_graphs.capture()
 
     @staticmethod
     def apply_grammars(

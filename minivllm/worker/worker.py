@@ -117,10 +117,28 @@ class Worker:
             )
         return num_blocks
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Chapter 11: decode steps replayed from CUDA graphs, on one GPU with the Triton
+        backend (whose decode kernel reads the step from the device) unless enforce_eager.
+        Ranks of a tensor-parallel group run without them."""
+        return (
+            self.device.type == "cuda"
+            and not self.config.enforce_eager
+            and self.attention_backend.name == "triton"
+            and self.tp.size == 1
+        )
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the pool and the runner that reads and writes it."""
+        """Allocate the pool and the runner that reads and writes it (with CUDA graphs, one
+        block more than the scheduler's pool: the padding rows' block)."""
+        padding_blocks = 1 if self.uses_cuda_graphs else 0
         kv_cache = PagedKVCache(
-            self.rank_model_config, num_blocks, self.config.block_size, self.dtype, self.device
+            self.rank_model_config,
+            num_blocks + padding_blocks,
+            self.config.block_size,
+            self.dtype,
+            self.device,
         )
         sampler = Sampler(
             default_generator=make_generator(self.config.seed, self.device),
@@ -134,6 +152,10 @@ class Worker:
         self.model_runner = ModelRunner(
             self.model, kv_cache, self.attention_backend, sampler, proposer, self._compile()
         )
+        if self.uses_cuda_graphs:
+            self.model_runner.capture_cuda_graphs(
+                self.config.max_num_seqs, self.model.config.max_model_len
+            )
 
     def _compile(self) -> CompiledModel | None:
         """Chapter 11: the model compiled for every step's shape, before the first request

@@ -1,0 +1,129 @@
+"""Chapter 11 — the anatomy of a step: where one engine step's time goes.
+
+A step is five kinds of work, and only one of them is the model:
+
+    schedule   the scheduler decides who runs and grants tokens and blocks  (core/scheduler.py)
+    prepare    the runner updates its requests and lays out the flat batch  (worker/input_batch.py)
+    forward    the model on the batch, attention included                   (models/llama.py)
+    sample     logits of the sampled rows and the sampler                    (sample/sampler.py)
+    outputs    the scheduler takes the tokens in, request outputs are made   (engine/llm_engine.py)
+
+`profile_steps` times each part of every step of a workload, by wrapping the engine's own
+methods (on this engine only, for the duration of the run), so the numbers are the real
+engine's, not a copy's. On a GPU each part ends with a synchronize, so a kernel's time is
+counted where it is launched.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("schedule", "prepare", "forward", "sample", "outputs")
+
+
+@dataclass
+class StepTimes:
+    """Seconds of every phase, summed over the steps measured."""
+
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    num_steps: int = 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {phase: 1e3 * s / max(self.num_steps, 1) for phase, s in self.seconds.items()}
+
+
+class _Timer:
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def wrap(self, function: Callable, totals: dict[str, float], phase: str) -> Callable:
+        """`function`, adding the seconds of each call to totals[phase]."""
+
+        def timed(*args, **kwargs):
+            start = self.now()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                totals[phase] += self.now() - start
+
+        return timed
+
+
+@contextmanager
+def _patched(obj, name: str, value) -> Iterator[None]:
+    """obj.name = value for the block (an instance attribute, shadowing the method)."""
+    had_own = name in vars(obj)
+    previous = vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)
+
+
+def profile_steps(llm, prompts: list[dict], params) -> StepTimes:
+    """Run `prompts` to completion on `llm` (an `LLM` whose engine runs in this process: no
+    tensor or data parallelism) and return the time of each phase over all its steps."""
+    engine = llm.llm_engine
+    runner = engine.executor.driver_worker.model_runner
+    scheduler = engine.scheduler
+    timer = _Timer(runner.device)
+    # Measured directly: the step, the scheduler's decision, the runner's whole call and the
+    # three parts inside it (the forward, or its CUDA-graph replay; the logits; the sampler).
+    # "prepare" is the runner's time outside those three; "outputs" the step's time outside
+    # the decision and the runner.
+    measured = dict.fromkeys(("step", "schedule", "runner", "forward", "logits", "sampler"), 0.0)
+    sampler = runner.sampler
+
+    class TimedSampler:
+        """The runner's sampler, timed: its call and the methods speculation uses."""
+
+        def __call__(self, *args):
+            return timer.wrap(sampler, measured, "sampler")(*args)
+
+        def __getattr__(self, name):
+            return getattr(sampler, name)
+
+    for request_id, (prompt, request_params) in enumerate(zip(prompts, params)):
+        engine.add_request(f"profile-{request_id}", prompt, request_params)
+    with (
+        _patched(scheduler, "schedule", timer.wrap(scheduler.schedule, measured, "schedule")),
+        _patched(runner, "execute_model", timer.wrap(runner.execute_model, measured, "runner")),
+        _patched(runner, "run_forward", timer.wrap(runner.run_forward, measured, "forward")),
+        _patched(
+            runner.model,
+            "compute_logits",
+            timer.wrap(runner.model.compute_logits, measured, "logits"),
+        ),
+        _patched(runner, "sampler", TimedSampler()),
+    ):
+        steps = 0
+        while engine.has_unfinished_requests():
+            start = timer.now()
+            engine.step()
+            measured["step"] += timer.now() - start
+            steps += 1
+    inside_runner = measured["forward"] + measured["logits"] + measured["sampler"]
+    return StepTimes(
+        seconds=dict(
+            schedule=measured["schedule"],
+            prepare=measured["runner"] - inside_runner,
+            forward=measured["forward"],
+            sample=measured["logits"] + measured["sampler"],
+            outputs=measured["step"] - measured["schedule"] - measured["runner"],
+        ),
+        num_steps=steps,
+    )
