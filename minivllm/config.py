@@ -326,10 +326,12 @@ class EngineConfig:
         "as logprobs or as logits",
         LOGPROBS_MODES,
     )
-    enforce_eager: bool = setting(
-        os.environ.get("MINIVLLM_ENFORCE_EAGER", "0") == "1",
+    enforce_eager: bool | None = setting(
+        True if os.environ.get("MINIVLLM_ENFORCE_EAGER") == "1" else None,
         "run the model one PyTorch operator at a time: no torch.compile (chapter 11) and no "
-        "CUDA graphs (default: MINIVLLM_ENFORCE_EAGER=1 in the environment, else compiled)",
+        "CUDA graphs; unset, compiled with CUDA graphs on a GPU and eager on the CPU (where "
+        "the compiled step measured slower on mixed batches); MINIVLLM_ENFORCE_EAGER=1 makes "
+        "the default True",
     )
     speculative_config: dict | str | None = setting(
         None,
@@ -354,9 +356,11 @@ class EngineConfig:
         if self.kv_cache_memory_bytes is not None:
             int_at_least("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1)
         float_in("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, False)
-        for name in ("enable_chunked_prefill", "enable_prefix_caching", "enforce_eager"):
+        for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 reject(name, getattr(self, name), "a bool")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            reject("enforce_eager", self.enforce_eager, "a bool or None")
         if self.speculative_config is not None:
             speculative = SpeculativeConfig.from_value(self.speculative_config)  # raises if bad
             if speculative.uses_draft_model and self.tensor_parallel_size > 1:
@@ -368,6 +372,13 @@ class EngineConfig:
             choices, value = item.metadata["choices"], getattr(self, item.name)
             if choices is not None and isinstance(value, str) and value not in choices:
                 reject(item.name, value, f"one of {', '.join(choices)}")
+
+    def runs_eagerly(self, device: torch.device) -> bool:
+        """Chapter 11: whether the model runs eagerly on `device`: enforce_eager, or where it
+        is unset, everywhere but on CUDA."""
+        if self.enforce_eager is None:
+            return device.type != "cuda"
+        return self.enforce_eager
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
