@@ -679,21 +679,16 @@ def code_version() -> str:
     from importlib.metadata import version
 
     root = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        command = ["git", "-C", str(root), *args]
+        return subprocess.run(
+            command, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+
     try:
-        commit = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
-        changed = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
+        commit = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return f"minivllm {version('minivllm')}"
     return f"commit {commit}" + ("+changes" if changed else "")

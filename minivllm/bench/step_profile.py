@@ -87,12 +87,13 @@ def profile_steps(llm, prompts: list[dict], params) -> StepTimes:
     # the decision and the runner.
     measured = dict.fromkeys(("step", "schedule", "runner", "forward", "logits", "sampler"), 0.0)
     sampler = runner.sampler
+    timed_call = timer.wrap(sampler, measured, "sampler")
 
     class TimedSampler:
-        """The runner's sampler, timed: its call and the methods speculation uses."""
+        """The runner's sampler, its call timed; the methods speculation uses pass through."""
 
         def __call__(self, *args):
-            return timer.wrap(sampler, measured, "sampler")(*args)
+            return timed_call(*args)
 
         def __getattr__(self, name):
             return getattr(sampler, name)
