@@ -39,6 +39,9 @@ chapters' modules). Per chapter:
                          greedy: copying and free-writing requests at batch 1 (speedup, equal
                          tokens, acceptance per draft position), then the copying requests at
                          batch 1-64, plain against k = 3
+    11 compiled-step     the engine eager against compiled with CUDA graphs (its default on a
+                         GPU), float32 and bfloat16: one request decoding alone (batch 1, where
+                         launch overhead is the whole step) and the varied-output workload
 
 Each chapter writes two files under OUT/<device>/ (OUT is figures/gpu by default, <device> the
 GPU's name as a slug): NN-name.json and NN-name.png, e.g. figures/gpu/nvidia-h200/04-throughput.
@@ -171,6 +174,7 @@ class Sizes:
     copy_megabytes: int  # ch07: size of the copy that measures the memory bandwidth
     spec_output: int  # ch08: most tokens each request generates (a copy ends on its own)
     spec_batches: tuple[int, ...]  # ch08: copying requests at once in the batch sweep
+    single_output: int  # ch11: tokens the one batch-1 request decodes
     repeats: int  # timed repetitions of a micro-benchmark; the fastest counts
 
 
@@ -207,6 +211,7 @@ GPU_SIZES = Sizes(
     copy_megabytes=1024,
     spec_output=96,  # a paragraph's copy is 40-60 tokens: it ends before
     spec_batches=(1, 4, 16, 32, 64),
+    single_output=128,
     repeats=5,
 )
 
@@ -243,6 +248,7 @@ QUICK_SIZES = Sizes(
     copy_megabytes=16,
     spec_output=8,
     spec_batches=(1, 2),
+    single_output=8,
     repeats=2,
 )
 
@@ -1509,6 +1515,54 @@ def plot_speculative_decoding(
     return fig
 
 
+# --- chapter 11: the compiled step -------------------------------------------------------------
+
+
+def measure_compiled_step(run: Run) -> Chapter:
+    """The eager engine against the compiled one, which on a GPU also replays its decode steps
+    from CUDA graphs, in float32 and bfloat16: a single request decoding (batch 1) and the
+    varied-output workload.
+
+    JSON: results (the varied-output workload: "engine-no-prefix-cache:eager",
+    "engine-no-prefix-cache:compiled" and both "@bfloat16"); batch1 (the same four methods on one
+    request, each a result record); speedups {"batch1", "varied"} -> dtype -> compiled / eager.
+    """
+    methods = [
+        f"engine-no-prefix-cache:{setting}{dtype}"
+        for dtype in ("", "@bfloat16")
+        for setting in ("eager", "compiled")
+    ]
+    single = throughput_workload(run.tokenizer, 1, output_length=run.sizes.single_output)
+    varied = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    batch1 = run.benchmark(run.context(), single, methods)
+    results = run.benchmark(run.context(), varied, methods)
+
+    def speedups(rows: list[MethodResult]) -> dict[str, float]:
+        rate = {r.method: r.output_tokens_per_s for r in rows}
+        return {
+            dtype.removeprefix("@") or "float32": rate[f"engine-no-prefix-cache:compiled{dtype}"]
+            / rate[f"engine-no-prefix-cache:eager{dtype}"]
+            for dtype in ("", "@bfloat16")
+        }
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7), layout="constrained")
+    for ax, rows, workload in ((axes[0], batch1, single), (axes[1], results, varied)):
+        plot_throughput(rows, f"{workload.name}: {workload.description}", ax=ax)
+    fig.suptitle(run.title("Eager against compiled (CUDA graphs on a GPU)"), fontsize=10)
+    return Chapter(
+        "11-compiled-step",
+        varied,
+        fig,
+        results,
+        dict(
+            batch1=[asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in batch1],
+            speedups=dict(batch1=speedups(batch1), varied=speedups(results)),
+        ),
+    )
+
+
 # --- shared by the chapters --------------------------------------------------------------------
 
 
@@ -1522,6 +1576,7 @@ CHAPTERS = (
     measure_attention_kernels,
     measure_parallelism,
     measure_speculative_decoding,
+    measure_compiled_step,
 )
 
 

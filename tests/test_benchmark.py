@@ -264,8 +264,9 @@ def test_vllm_runs_in_its_own_process_as_a_method(tiny_model_dirs, tmp_path, mon
     engine, peer = run_benchmark(ctx, workload, ["engine", "vllm"], measure_peak=False)
     assert peer.same_tokens_as_first == peer.matching_tokens == 1.0
     assert peer.output_tokens == engine.output_tokens and peer.chapter == 11
-    ctx.engines["vllm"].close()
-    assert ctx.engines["vllm"].process.returncode == 0
+    peer_process = ctx.engines["vllm"].process
+    ctx.close_engines()  # the peer's process stopped, every engine let go
+    assert peer_process.returncode == 0 and not ctx.engines
 
 
 def test_vllm_methods_without_vllm_say_how_to_install_it(tiny_model_dirs, tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ STEMS = [
     "06-attention-kernels",
     "07-parallelism",
     "08-speculative-decoding",
+    "11-compiled-step",
 ]
 
 
@@ -51,8 +52,8 @@ def by_method(record: dict) -> dict[str, dict]:
 
 
 def test_every_chapter_writes_the_common_fields(records):
-    for number, (stem, record) in enumerate(records.items()):
-        assert record["chapter"] == number, stem
+    for stem, record in records.items():
+        assert record["chapter"] == int(stem[:2]), stem
         assert record["quick"] is True and record["dtype"] == "float32"
         assert record["workload"]["name"] and record["workload"]["description"]
         assert record["device"] and record["model"] and record["seconds"] > 0
@@ -233,6 +234,25 @@ def test_speculative_decoding_keeps_greedy_tokens(records):
         assert row["ratio"] == pytest.approx(
             row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
         )
+
+
+def test_compiled_step_gives_the_eager_tokens_in_both_dtypes(records):
+    """Chapter 11: compiled (with CUDA graphs on a GPU) against eager, at batch 1 and on the
+    varied workload; float32 compiled gives the eager float32 tokens, and each speedup is the
+    ratio of the rates recorded."""
+    record = records["11-compiled-step"]
+    for name, rows in (("varied", record["results"]), ("batch1", record["batch1"])):
+        rate = {row["method"]: row for row in rows}
+        eager, compiled = (rate[f"engine-no-prefix-cache:{s}"] for s in ("eager", "compiled"))
+        assert compiled["same_tokens_as_first"] == 1.0 and compiled["matching_tokens"] == 1.0
+        assert eager["output_tokens"] == compiled["output_tokens"] > 0
+        bf16 = rate["engine-no-prefix-cache:compiled@bfloat16"]
+        assert bf16["dtype"] == "bfloat16" and bf16["output_tokens"] == eager["output_tokens"]
+        speedup = record["speedups"][name]["float32"]
+        assert speedup == pytest.approx(
+            compiled["output_tokens_per_s"] / eager["output_tokens_per_s"]
+        )
+    assert record["batch1"][0]["num_requests"] == 1
 
 
 def test_all_reduce_ranks_of_the_nccl_measurement_run_on_gloo():

@@ -81,6 +81,16 @@ class BenchmarkContext:
             )
         return self._other_dtypes[dtype]
 
+    def close_engines(self) -> None:
+        """Let go of every engine the methods built, in this dtype and the others: vLLM's
+        processes are stopped and our engines' pools freed, so that the next methods start
+        with the machine's memory."""
+        for ctx in [self, *self._other_dtypes.values()]:
+            for engine in ctx.engines.values():
+                if hasattr(engine, "close"):  # the real vLLM's process (bench/vllm_peer.py)
+                    engine.close()
+            ctx.engines.clear()
+
     @property
     def hf_model(self):
         """transformers' model of the same directory, loaded on first use."""

@@ -217,7 +217,7 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        adjusted = self._adjusted_logits(logits, rows)
+        adjusted, all_finite = self._adjusted_logits(logits, rows)
 
         # Fast path: greedy rows need nothing but argmax, so an all-greedy batch skips
         # temperature, truncation and the random draw altogether.
@@ -230,14 +230,18 @@ class Sampler:
             logprobs=self._collect_logprobs(
                 logits, adjusted, dict(zip(random_rows, truncated)), token_ids, rows
             ),
-            errors=[NOTHING_TO_SAMPLE if nothing else None for nothing in _empty_rows(adjusted)],
+            # Only a row whose every logit is -inf has nothing to sample; with every logit
+            # finite no row can be one, and the pass that looks for them is skipped.
+            errors=[None] * len(rows)
+            if all_finite
+            else [NOTHING_TO_SAMPLE if nothing else None for nothing in _empty_rows(adjusted)],
         )
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The distribution each row's token is drawn from, [rows, vocab]: after logit_bias,
         penalties, the min_tokens ban, temperature and truncation; one-hot at the argmax for
         greedy rows. Chapter 08's rejection sampler verifies draft tokens against it."""
-        adjusted = self._adjusted_logits(logits, rows)
+        adjusted, _ = self._adjusted_logits(logits, rows)
         probs = F.one_hot(adjusted.argmax(dim=-1), adjusted.shape[-1]).float()
         random_rows, truncated = self._truncated_random_rows(adjusted, rows)
         if random_rows:
@@ -250,7 +254,7 @@ class Sampler:
     ) -> list[TokenLogprobs | None]:
         """The logprobs `__call__` would report had it sampled `token_ids` (chapter 08: tokens
         the rejection sampler emitted)."""
-        adjusted = self._adjusted_logits(logits, rows)
+        adjusted, _ = self._adjusted_logits(logits, rows)
         random_rows, truncated = self._truncated_random_rows(adjusted, rows)
         token_ids = torch.tensor(token_ids, device=logits.device)
         return self._collect_logprobs(
@@ -283,9 +287,12 @@ class Sampler:
             result[i] = token_logprobs
         return result
 
-    def _adjusted_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _adjusted_logits(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, bool]:
         """logit_bias, penalties and the min_tokens ban, in float32 (vLLM's order): what a
-        greedy row takes the argmax of."""
+        greedy row takes the argmax of; and whether every logit was found finite (the common
+        step, left as it came)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows), vocab] = [{len(rows)}, vocab], "
@@ -299,7 +306,7 @@ class Sampler:
         # any) has nothing to adjust: one pass over the logits checks it, instead of the
         # five that sanitizing takes.
         if not (biased or penalised or any(banned_token_ids)) and logits.isfinite().all():
-            return logits
+            return logits, True
         forbidden = logits.isneginf()  # the grammar's mask (chapter 10): nothing may lift it
         if biased:
             logits = apply_logit_bias(logits, [row.params.logit_bias for row in rows])
@@ -308,7 +315,7 @@ class Sampler:
         logits = sanitize_logits(logits, forbidden)
         if any(banned_token_ids):
             logits = ban_tokens(logits, banned_token_ids)
-        return logits
+        return logits, False
 
     def _penalise(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         return apply_penalties(
