@@ -1,7 +1,7 @@
 """Execute notebooks top to bottom and save them with their outputs (full mode by default).
 
-    python scripts/run_notebooks.py notebooks/02-kv-cache.ipynb
-    MINIVLLM_QUICK=1 python scripts/run_notebooks.py --no-save notebooks/*.ipynb
+python scripts/run_notebooks.py notebooks/02-kv-cache.ipynb
+MINIVLLM_QUICK=1 python scripts/run_notebooks.py --no-save notebooks/*.ipynb
 """
 
 import argparse
@@ -17,7 +17,10 @@ def run_notebook(path: Path, save: bool, timeout: int = 3600) -> float:
     notebook = nbformat.read(path, as_version=4)
     start = time.perf_counter()
     client = NotebookClient(
-        notebook, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+        notebook,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
     )
     client.execute()
     if save:

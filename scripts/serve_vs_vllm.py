@@ -109,7 +109,10 @@ def main() -> None:
             + ["--max-model-len", "2048"],
             vllm_tuned_env(args.vllm_python),
         ),
-        "minivllm": ([sys.executable, "-m", "minivllm", "serve", "--model", args.model, *common], {}),
+        "minivllm": (
+            [sys.executable, "-m", "minivllm", "serve", "--model", args.model, *common],
+            {},
+        ),
         # The same server with the engine core stepped in a thread of the HTTP process: what
         # the process of its own buys.
         "minivllm (thread)": (
@@ -121,7 +124,9 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
         for name, (command, env) in servers.items():
-            results[name] = run_server(f"server{len(results)}", command, env, 8301, args, Path(workdir))
+            results[name] = run_server(
+                f"server{len(results)}", command, env, 8301, args, Path(workdir)
+            )
             print(name, results[name], flush=True)
     ratio = results["minivllm"]["output_throughput"] / results["vllm (tuned)"]["output_throughput"]
     report = {
