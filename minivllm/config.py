@@ -326,12 +326,11 @@ class EngineConfig:
         "as logprobs or as logits",
         LOGPROBS_MODES,
     )
-    enforce_eager: bool | None = setting(
-        True if os.environ.get("MINIVLLM_ENFORCE_EAGER") == "1" else None,
+    enforce_eager: bool = setting(
+        os.environ.get("MINIVLLM_ENFORCE_EAGER") == "1",
         "run the model one PyTorch operator at a time: no torch.compile (chapter 11) and no "
-        "CUDA graphs; unset, compiled with CUDA graphs on a GPU and eager on the CPU (where "
-        "the compiled step measured slower on mixed batches); MINIVLLM_ENFORCE_EAGER=1 makes "
-        "the default True",
+        "CUDA graphs; False (vLLM's default) compiles the model at start and on a GPU replays "
+        "decode steps from CUDA graphs; MINIVLLM_ENFORCE_EAGER=1 makes the default True",
     )
     speculative_config: dict | str | None = setting(
         None,
@@ -359,8 +358,8 @@ class EngineConfig:
         for name in ("enable_chunked_prefill", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 reject(name, getattr(self, name), "a bool")
-        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
-            reject("enforce_eager", self.enforce_eager, "a bool or None")
+        if not isinstance(self.enforce_eager, bool):
+            reject("enforce_eager", self.enforce_eager, "a bool")
         if self.speculative_config is not None:
             speculative = SpeculativeConfig.from_value(self.speculative_config)  # raises if bad
             if speculative.uses_draft_model and self.tensor_parallel_size > 1:
@@ -372,13 +371,6 @@ class EngineConfig:
             choices, value = item.metadata["choices"], getattr(self, item.name)
             if choices is not None and isinstance(value, str) and value not in choices:
                 reject(item.name, value, f"one of {', '.join(choices)}")
-
-    def runs_eagerly(self, device: torch.device) -> bool:
-        """Chapter 11: whether the model runs eagerly on `device`: enforce_eager, or where it
-        is unset, everywhere but on CUDA."""
-        if self.enforce_eager is None:
-            return device.type != "cuda"
-        return self.enforce_eager
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -7,6 +7,10 @@ eager to float32 rounding, and never mixes up two models of the same shape.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from conftest import EOS_TOKEN_ID
@@ -16,6 +20,7 @@ from minivllm.attention.backend import AttentionMetadata, PagedKVCache, slot_map
 from minivllm.attention.torch_paged import TorchPagedAttention
 from minivllm.compilation.compiled_model import CompiledModel
 from minivllm.compilation.forward_context import OPAQUE_ATTENTION
+from minivllm.config import EngineConfig
 from minivllm.models.loader import load_model
 
 BLOCK_SIZE = 4
@@ -140,12 +145,49 @@ def test_compiled_engine_equals_transformers(embedded_dir, chat_prompts, transfo
         assert list(output.outputs[0].token_ids) == transformers_greedy(prompt, n)
 
 
-@pytest.mark.parametrize("enforce_eager", [True, None], ids=["eager", "unset"])
-def test_enforce_eager_or_the_cpu_default_runs_the_model_itself(embedded_dir, enforce_eager):
-    """enforce_eager=True, and unset on the CPU (where compiled measured slower on mixed
-    batches), run the model itself."""
-    llm = LLM(model=str(embedded_dir), enforce_eager=enforce_eager)
+def test_compiled_engine_verifying_drafts_equals_transformers(
+    embedded_dir, chat_prompts, transformers_greedy
+):
+    """With n-gram speculation (chapter 08) the compiled model verifies several tokens per
+    request in one step, rows the dynamic graph serves; greedy tokens stay transformers'.
+    Prompts that repeat a phrase give the n-gram proposer something to copy."""
+    prompts = [prompt[-12:] * 3 for prompt in chat_prompts[:2]] + chat_prompts[2:]
+    llm = LLM(
+        model=str(embedded_dir),
+        max_num_seqs=4,
+        enforce_eager=False,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[EOS_TOKEN_ID])
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for output, prompt in zip(outputs, prompts):
+        assert list(output.outputs[0].token_ids) == transformers_greedy(prompt, 24)
+    metrics = {metric.name: metric.value for metric in llm.get_metrics()}
+    assert metrics["vllm:spec_decode_num_draft_tokens"] > 0  # drafts were verified
+
+
+def test_enforce_eager_runs_the_model_itself(embedded_dir):
+    llm = LLM(model=str(embedded_dir), enforce_eager=True)
     assert step_forward(llm) is runner(llm).model
+
+
+def test_compiling_is_the_default_unless_the_environment_says_eager():
+    """vLLM's default (enforce_eager=False) unless MINIVLLM_ENFORCE_EAGER=1, which the test
+    suite sets so that its engines start in a second; anything but a bool is refused."""
+    environment = {k: v for k, v in os.environ.items() if k != "MINIVLLM_ENFORCE_EAGER"}
+    defaults = []
+    for value in (None, "1"):
+        if value is not None:
+            environment["MINIVLLM_ENFORCE_EAGER"] = value
+        script = "from minivllm.config import EngineConfig; print(EngineConfig().enforce_eager)"
+        result = subprocess.run(
+            [sys.executable, "-c", script], env=environment, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        defaults.append(result.stdout.strip())
+    assert defaults == ["False", "True"]
+    with pytest.raises(ValueError, match="enforce_eager"):
+        EngineConfig(enforce_eager="no")
 
 
 def test_attention_outside_a_forward_context_is_an_error():

@@ -22,8 +22,8 @@ Three decisions make one compilation serve every step:
 Inductor keeps what it generates on disk (`TORCHINDUCTOR_CACHE_DIR`, by default
 `/tmp/torchinductor_<user>`): a second engine start, even in a new process, reads compiled code
 back instead of generating it again. `enforce_eager` (vLLM's setting) chooses: True skips all
-this; unset, a GPU compiles and the CPU does not (on mixed batches of decodes and prompt
-chunks, inductor's loops for a symbolic token count measured slower than eager PyTorch there).
+this; False, the default as in vLLM, compiles at start (and on a GPU records CUDA graphs too,
+`compilation/cuda_graphs.py`).
 """
 
 from __future__ import annotations

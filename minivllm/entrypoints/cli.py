@@ -20,14 +20,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # minivllm never reads the network
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per field of EngineConfig, spelled as vLLM's command line spells it:
-    `max_num_seqs` -> `--max-num-seqs`; a bool (or a bool that may be left unset) gets `--X`
-    and `--no-X`."""
+    `max_num_seqs` -> `--max-num-seqs`; a bool gets `--X` and `--no-X`."""
     types = typing.get_type_hints(EngineConfig)
     for item in dataclasses.fields(EngineConfig):
         flag = "--" + item.name.replace("_", "-")
         kind = types[item.name]
         options = {"default": item.default, "help": item.metadata["help"]}
-        if kind is bool or kind == bool | None:
+        if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
         else:
             options["type"] = next(t for t in (int, float, str) if _admits(kind, t))

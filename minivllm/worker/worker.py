@@ -124,7 +124,7 @@ class Worker:
         Ranks of a tensor-parallel group run without them."""
         return (
             self.device.type == "cuda"
-            and not self.config.runs_eagerly(self.device)
+            and not self.config.enforce_eager
             and self.attention_backend.name == "triton"
             and self.tp.size == 1
         )
@@ -160,7 +160,7 @@ class Worker:
     def _compile(self) -> CompiledModel | None:
         """Chapter 11: the model compiled for every step's shape, before the first request
         (None with enforce_eager, or where the model does not compile)."""
-        if self.config.runs_eagerly(self.device) or not compilable(self.model):
+        if self.config.enforce_eager or not compilable(self.model):
             return None
         compiled = CompiledModel(self.model)
         compiled.compile(
