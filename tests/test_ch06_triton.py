@@ -10,6 +10,8 @@ tokens.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from attention_cases import backend_step, paged_batches
@@ -21,7 +23,11 @@ triton = pytest.importorskip("triton")
 tl = triton.language
 
 from minivllm.attention import triton_paged  # noqa: E402
-from minivllm.attention.torch_paged import TorchPagedAttention, write_kv  # noqa: E402
+from minivllm.attention.torch_paged import (  # noqa: E402
+    TorchPagedAttention,
+    paged_attention,
+    write_kv,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = st.sampled_from([torch.float32, torch.float16])
@@ -60,6 +66,28 @@ def test_decode_kernel_equals_attention(batch, num_splits, dtype):
         step.q, kv, step.metadata.block_tables, step.metadata.seq_lens, num_splits
     )
     assert_matches_definition(out, step, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_merge_survives_scores_past_the_exponents_range(num_splits):
+    """Sharply peaked attention: queries scaled so scores reach the hundreds, where exp()
+    overflows float32 (past about 88.7). The kernel and the split merge subtract the running
+    maximum before exponentiating, so the output stays finite and equal to a float64
+    reference, with one split and with four."""
+    block_size, num_kv_heads, group, head_dim = 16, 1, 2, 8
+    sequences = [(150, 1), (90, 1)]
+    physical = list(range(20))[::-1]
+    batch = (block_size, num_kv_heads, group, head_dim, sequences, physical, 0)
+    step = on_device(backend_step(batch))
+    kv = step.cache.layers[0]
+    write_kv(kv, step.new_k, step.new_v, step.metadata.slot_mapping)
+    q = 200 * step.q
+    out = triton_paged.paged_decode_attention(
+        q, kv, step.metadata.block_tables, step.metadata.seq_lens, num_splits
+    )
+    expected = paged_attention(q.double(), kv.double(), step.metadata)  # the torch reference
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), expected, atol=1e-4, rtol=1e-4)
 
 
 @settings(max_examples=25, deadline=None)
@@ -219,3 +247,42 @@ def test_kernels_compiled_for_the_gpu_at_serving_sizes():
         reference = TorchPagedAttention(pool, step.metadata)(0, step.q, step.k, step.v)
         out = triton_paged.TritonPagedAttention(pool, step.metadata)(0, step.q, step.k, step.v)
         torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)
+
+
+@given(
+    num_seqs=st.integers(1, 512),
+    num_kv_heads=st.integers(1, 16),
+    longest=st.integers(1, 200_000),
+    num_sms=st.sampled_from([108, 132, 144]),  # A100, H100, H200-class
+)
+def test_split_counts_are_the_few_that_warm_up_compiles(num_seqs, num_kv_heads, longest, num_sms):
+    """A split count is a kernel of its own: the engine only ever chooses one of SPLIT_COUNTS,
+    the largest power of two within both limits (programs for the GPU, tokens per split)."""
+    splits = triton_paged.split_count(num_seqs, num_kv_heads, longest, num_sms)
+    assert splits in triton_paged.SPLIT_COUNTS
+    wanted = -(-4 * num_sms // (num_seqs * num_kv_heads))
+    limit = max(1, min(wanted, longest // triton_paged.MIN_TOKENS_PER_SPLIT))
+    assert splits <= limit and (splits == triton_paged.MAX_SPLITS or 2 * splits > limit)
+
+
+def test_warm_up_launches_every_kernel_a_step_can_need(monkeypatch):
+    """On a GPU, warm_up launches the store, the prefill, and the decode (with its combine) at
+    every split count, so Triton compiles them before serving. Here the launches are recorded
+    instead of run (the interpreter compiles nothing, and warm_up skips itself under it)."""
+    launched = []
+    monkeypatch.setattr(triton_paged, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_paged, "store_kv", lambda *args: launched.append("store"))
+    monkeypatch.setattr(
+        triton_paged,
+        "paged_decode_attention",
+        lambda q, kv, tables, lens, num_splits: launched.append(("decode", num_splits)),
+    )
+    monkeypatch.setattr(
+        triton_paged, "paged_prefill_attention", lambda *args: launched.append("prefill")
+    )
+    # warm_up reads only the pool's first layer: [K/V, blocks, block_size, kv_heads, head_dim]
+    pool = SimpleNamespace(layers=[torch.zeros(2, 4, 16, 2, 16)])
+    triton_paged.TritonPagedAttention.warm_up(pool, 4, max_num_seqs=8, max_num_tokens=64)
+    decodes = [entry[1] for entry in launched if isinstance(entry, tuple)]
+    assert decodes == list(triton_paged.SPLIT_COUNTS)
+    assert launched.count("store") == 1 and launched.count("prefill") == 1

@@ -189,8 +189,52 @@ def test_a_worker_that_dies_mid_generation_is_an_error_within_seconds(tiny_dirs)
     assert not alive(pid)
 
 
+def test_a_worker_that_dies_between_steps_is_seen_at_once_without_a_collective(
+    tiny_dirs, monkeypatch
+):
+    """The watcher wakes on the dead process's sentinel, with no step running: the executor is
+    marked broken and its collectives aborted (what unblocks a rank 0 waiting in NCCL; on gloo
+    it is a no-op, so the call is recorded here), and the next generate fails before it sends
+    anything to the dead rank."""
+    from minivllm.executor import multiproc
+
+    aborted = threading.Event()
+    monkeypatch.setattr(multiproc, "abort_collectives", aborted.set)
+    llm = LLM(tiny_dirs["2 KV heads"], tensor_parallel_size=2)
+    state = llm.llm_engine.executor.state
+    pid = worker_pids(llm)[0]
+    os.kill(pid, signal.SIGKILL)
+    assert aborted.wait(timeout=30), "the watcher did not notice the dead worker"
+    assert [process.pid for process in state.dead_workers] == [pid] and state.broken
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    with pytest.raises(RuntimeError, match="minivllm-tp-rank1.*died"):
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}], params, use_tqdm=False)
+    assert state.closed  # the other ranks were stopped
+
+
+def test_a_normal_shutdown_does_not_trip_the_watcher(tiny_dirs, monkeypatch):
+    from minivllm.executor import multiproc
+
+    aborted = threading.Event()
+    monkeypatch.setattr(multiproc, "abort_collectives", aborted.set)
+    llm = LLM(tiny_dirs["2 KV heads"], tensor_parallel_size=2)
+    state = llm.llm_engine.executor.state
+    processes = list(state.processes)
+    llm.llm_engine.executor.shutdown()
+    for process in processes:
+        process.join(timeout=10)
+    time.sleep(0.5)  # the watcher thread wakes on the exits it has just seen
+    assert not aborted.is_set() and not state.dead_workers
+
+
+# A process a terminal starts has SIGINT unblocked; one a test runner's process starts inherits
+# that process's signal mask, where a library may have blocked SIGINT (a blocked SIGINT stays
+# pending, and the script would run to the end as if no Ctrl-C came). The script starts as a
+# terminal's would.
 CTRL_C_SCRIPT = """
+import signal
 import sys
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 from minivllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2)
 print(*[p.pid for p in llm.llm_engine.executor.state.processes], flush=True)
@@ -250,3 +294,34 @@ def test_ranks_count_gpus_on_from_the_engines_device():
     assert rank_config(EngineConfig(device="cuda"), 1).device == "cuda:1"
     assert rank_config(EngineConfig(device="cuda:2"), 1).device == "cuda:3"
     assert rank_config(EngineConfig(device="cpu"), 1).device == "cpu"
+
+
+def test_a_worker_makes_its_gpu_current_before_loading_the_model(monkeypatch, tmp_path):
+    """A rank on cuda:3 makes cuda:3 its process's current device first: Triton launches and
+    NCCL bind to the current device, not to where tensors live. No GPU here, so the two CUDA
+    calls are replaced by recorders: set_device, and the model load that would follow it."""
+    import torch
+
+    from minivllm.config import EngineConfig
+    from minivllm.worker import worker as worker_module
+
+    calls = []
+
+    class Loaded(Exception):
+        """Stops the worker where the real one would start filling the GPU."""
+
+    def load_model(path, dtype, device, tp):
+        calls.append(("load_model", device))
+        raise Loaded
+
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(worker_module, "load_model", load_model)
+    config = EngineConfig(device="cuda:3", dtype="float32", attention_backend="torch")
+    with pytest.raises(Loaded):
+        worker_module.Worker(config, tmp_path)
+    cuda_3 = torch.device("cuda:3")
+    assert calls == [("set_device", cuda_3), ("load_model", cuda_3)]
+    calls.clear()
+    with pytest.raises(Loaded):
+        worker_module.Worker(EngineConfig(device="cpu"), tmp_path)
+    assert calls == [("load_model", torch.device("cpu"))]  # nothing to bind on the CPU

@@ -15,6 +15,8 @@ import re
 import pytest
 import torch
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty, chat_prompt_ids
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.config import EngineConfig
@@ -580,3 +582,55 @@ def test_memory_profiling_runs_the_draft_model_at_the_full_token_budget(tiny_mod
         model.forward = recording_forward
     worker.run_largest_batch()
     assert seen == {"target": 48, "draft": 48}
+
+
+# --- the scheduler's room for drafts and their K/V -----------------------------------------------
+
+
+@given(
+    max_tokens=st.integers(1, 12),
+    num_outputs=st.integers(0, 11),
+    prompt_len=st.integers(1, 40),
+    num_drafts=st.integers(0, 8),
+)
+@settings(max_examples=60, deadline=None)
+def test_drafts_never_take_a_request_past_max_tokens_or_its_context(
+    tokenizer, max_tokens, num_outputs, prompt_len, num_drafts
+):
+    """A verification step emits the accepted drafts plus one token of its own, so a request
+    keeps at most (tokens it may still emit) - 1 drafts, and none whose token would land past
+    the context; within that room, every draft is kept."""
+    num_outputs = min(num_outputs, max_tokens - 1)  # a request still running
+    max_model_len = 48
+    prompt_len = min(prompt_len, max_model_len - num_outputs - 1)
+    request = Request.create(
+        "r", None, list(range(5, 5 + prompt_len)), SamplingParams(max_tokens=max_tokens),
+        tokenizer, (2,), max_model_len=max_model_len,
+    )  # fmt: skip
+    request.output_token_ids.extend([7] * num_outputs)
+    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(64, 4))
+    kept = scheduler._draft_room(request, list(range(100, 100 + num_drafts)))
+    emitted_at_most = len(kept) + 1
+    assert num_outputs + emitted_at_most <= max_tokens
+    assert request.num_tokens + emitted_at_most <= max_model_len
+    room = min(max_tokens - num_outputs, max_model_len - request.num_tokens) - 1
+    assert len(kept) == min(num_drafts, room)
+
+
+@pytest.mark.parametrize("lookahead", [1, 3])
+def test_a_grant_that_reaches_the_last_token_holds_the_lookahead_slots_too(tokenizer, lookahead):
+    """With a draft model, the k guesses after a step write their K/V past the grant: the
+    blocks reserved cover grant + k slots (within the context), not a slot fewer."""
+    block_size = 4
+    config = SchedulerConfig(num_lookahead_tokens=lookahead)
+    scheduler = Scheduler(config, KVCacheManager(64, block_size))
+    for prompt_len in (3, 4, 7, 8):
+        request = Request.create(
+            f"r{prompt_len}", None, list(range(5, 5 + prompt_len)), SamplingParams(max_tokens=8),
+            tokenizer, (2,), max_model_len=64,
+        )  # fmt: skip
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    tables = scheduler.kv_cache_manager.block_tables
+    for req_id, granted in output.num_scheduled_tokens.items():
+        assert len(tables[req_id]) == cdiv(granted + lookahead, block_size), req_id

@@ -75,19 +75,19 @@ def _store_kv_kernel(
         tl.store(v_cache_ptr + target, tl.load(v_ptr + source, mask=in_row), mask=in_row)
 
 
+def store_constants(row_size: int) -> dict:
+    """The store kernel's compile-time constants for rows of `row_size` values."""
+    return dict(BLOCK=triton.next_power_of_2(row_size))
+
+
 def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor):
     """Write K/V `[tokens, kv_heads, head_dim]` into the layer's pool `kv` at `slot_mapping`."""
     num_tokens = k.shape[0]
     row_size = k.shape[1] * k.shape[2]
     _store_kv_kernel[(num_tokens,)](
-        k.contiguous(),
-        v.contiguous(),
-        kv[0],
-        kv[1],
-        slot_mapping,
-        row_size,
-        BLOCK=triton.next_power_of_2(row_size),
-    )
+        k.contiguous(), v.contiguous(), kv[0], kv[1], slot_mapping, row_size,
+        **store_constants(row_size),
+    )  # fmt: skip
 
 
 # --- 2. decode: one query per sequence, split along the sequence ---
@@ -255,14 +255,55 @@ def _combine_splits_kernel(
     tl.store(out_ptr + seq_head * head_dim + dims, out, mask=dims < head_dim)
 
 
+# The decode kernel's split count is a compile-time constant, so each value is a kernel of its
+# own: the counts are powers of two up to this, a handful of kernels `warm_up` compiles at start.
+MAX_SPLITS = 64
+SPLIT_COUNTS = tuple(2**i for i in range(MAX_SPLITS.bit_length()))  # 1, 2, 4, ..., 64
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, longest: int, device: torch.device) -> int:
     """Enough splits to give the GPU about four programs per streaming multiprocessor, but none
-    shorter than MIN_TOKENS_PER_SPLIT tokens."""
+    shorter than MIN_TOKENS_PER_SPLIT tokens; rounded down to one of SPLIT_COUNTS."""
     if device.type != "cuda":
         return 1
-    target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    wanted = cdiv(target, num_seqs * num_kv_heads)
-    return max(1, min(wanted, longest // MIN_TOKENS_PER_SPLIT))
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return split_count(num_seqs, num_kv_heads, longest, num_sms)
+
+
+def split_count(num_seqs: int, num_kv_heads: int, longest: int, num_sms: int) -> int:
+    """`choose_num_splits` on a GPU of `num_sms` multiprocessors."""
+    wanted = cdiv(4 * num_sms, num_seqs * num_kv_heads)
+    most = max(1, min(wanted, longest // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
+    return 1 << (most.bit_length() - 1)  # the largest power of two <= most
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """A tile's width along the head dimension: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def decode_constants(
+    queries_per_kv: int, head_dim: int, block_size: int, num_splits: int, dtype: torch.dtype
+) -> dict:
+    """The decode kernel's compile-time constants: each distinct set is a kernel of its own,
+    compiled on first use (tests/test_kernels_compile_for_gpus.py compiles them for real chips)."""
+    return dict(
+        QUERIES_PER_KV=queries_per_kv,
+        GROUP_PAD=max(16, triton.next_power_of_2(queries_per_kv)),
+        HEAD_DIM_PAD=head_dim_pad(head_dim),
+        PAGE_SIZE=block_size,
+        NUM_SPLITS=num_splits,
+        BLOCK_N=BLOCK_N,
+        PRECISION=dot_precision(dtype),
+    )
+
+
+def combine_constants(num_splits: int, head_dim: int) -> dict:
+    return dict(
+        NUM_SPLITS=num_splits,
+        SPLITS_PAD=triton.next_power_of_2(num_splits),
+        HEAD_DIM_PAD=head_dim_pad(head_dim),
+    )
 
 
 def paged_decode_attention(
@@ -283,7 +324,6 @@ def paged_decode_attention(
         num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device
     )
     partial_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q.contiguous(),
         kv[0],
@@ -296,23 +336,11 @@ def paged_decode_attention(
         head_dim,
         num_kv_heads,
         block_tables.stride(0),
-        QUERIES_PER_KV=queries_per_kv,
-        GROUP_PAD=max(16, triton.next_power_of_2(queries_per_kv)),
-        HEAD_DIM_PAD=head_dim_pad,
-        PAGE_SIZE=block_size,
-        NUM_SPLITS=num_splits,
-        BLOCK_N=BLOCK_N,
-        PRECISION=dot_precision(q.dtype),
+        **decode_constants(queries_per_kv, head_dim, block_size, num_splits, q.dtype),
     )
     out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
     _combine_splits_kernel[(num_seqs * num_heads,)](
-        partial_out,
-        partial_lse,
-        out,
-        head_dim,
-        NUM_SPLITS=num_splits,
-        SPLITS_PAD=triton.next_power_of_2(num_splits),
-        HEAD_DIM_PAD=head_dim_pad,
+        partial_out, partial_lse, out, head_dim, **combine_constants(num_splits, head_dim)
     )
     return out.to(q.dtype)
 
@@ -402,6 +430,21 @@ def query_tiles(query_lens: list[int], tokens_per_tile: int) -> tuple[list[int],
     return tile_seqs, tile_starts
 
 
+def prefill_constants(
+    queries_per_kv: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> dict:
+    """The prefill kernel's compile-time constants (one kernel per distinct set)."""
+    return dict(
+        QUERIES_PER_KV=queries_per_kv,
+        TOKENS_PER_TILE=tokens_per_tile(queries_per_kv),
+        HEAD_DIM_PAD=head_dim_pad(head_dim),
+        PAGE_SIZE=block_size,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        PRECISION=dot_precision(dtype),
+    )
+
+
 def paged_prefill_attention(
     q: torch.Tensor, kv: torch.Tensor, metadata: AttentionMetadata, tiles: torch.Tensor
 ) -> torch.Tensor:
@@ -428,13 +471,7 @@ def paged_prefill_attention(
         head_dim,
         num_kv_heads,
         metadata.block_tables.stride(0),
-        QUERIES_PER_KV=queries_per_kv,
-        TOKENS_PER_TILE=tokens_per_tile(queries_per_kv),
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        PAGE_SIZE=block_size,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        PRECISION=dot_precision(q.dtype),
+        **prefill_constants(queries_per_kv, head_dim, block_size, q.dtype),
     )
     return out
 
@@ -459,6 +496,32 @@ class TritonPagedAttention(PagedAttentionBackend):
                 "TRITON_INTERPRET=1 before starting Python to run its kernels, slowly, on a CPU)"
             )
         return cls
+
+    @classmethod
+    def warm_up(
+        cls, kv_cache: PagedKVCache, num_heads: int, max_num_seqs: int, max_num_tokens: int
+    ) -> None:
+        """Compile every kernel a step can launch before the first request: the store, the
+        prefill, and the decode kernel with its combine for each of SPLIT_COUNTS. Otherwise the
+        first step with a new split count stops every running request while Triton compiles
+        (about a second a kernel). Each launch is one token over block 0, which it only reads
+        (its store slot is -1: padding, nothing written). The interpreter compiles nothing."""
+        if interpreting():
+            return
+        layer = kv_cache.layers[0]
+        num_kv_heads, head_dim = layer.shape[3], layer.shape[4]
+        device = layer.device
+
+        def zeros(*shape, dtype=layer.dtype):
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        q, k = zeros(1, num_heads, head_dim), zeros(1, num_kv_heads, head_dim)
+        store_kv(layer, k, k, torch.full((1,), -1, dtype=torch.long, device=device))
+        one_token = AttentionMetadata.build([1], [1], [[0]], [-1], device=device)
+        for num_splits in SPLIT_COUNTS:
+            paged_decode_attention(q, layer, one_token.block_tables, one_token.seq_lens, num_splits)
+        tiles = torch.zeros(2, 1, dtype=torch.long, device=device)  # sequence 0, token 0
+        paged_prefill_attention(q, layer, one_token, tiles)
 
     def __init__(self, kv_cache: PagedKVCache, metadata: AttentionMetadata):
         super().__init__(kv_cache, metadata)

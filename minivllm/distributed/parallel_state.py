@@ -110,6 +110,14 @@ def init_tensor_parallel(
     return TensorParallelGroup(rank, size, dist.group.WORLD, cpu_group)
 
 
+def abort_collectives() -> None:
+    """Make every collective this process is waiting in fail now, from another thread: what a
+    rank does when it learns a peer is gone. NCCL would otherwise wait for COLLECTIVE_TIMEOUT;
+    gloo already fails at once on the closed connection, and has nothing to abort."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        dist.distributed_c10d._abort_process_group()
+
+
 def destroy_tensor_parallel() -> None:
     """Leave the group (so the process can join another later)."""
     if dist.is_initialized():

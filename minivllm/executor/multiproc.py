@@ -18,15 +18,19 @@ opens a TCP store on a free loopback port and spawns the others; across machines
 (or MASTER_ADDR/MASTER_PORT, RANK and WORLD_SIZE) starts one process per rank, rank 0 becomes
 the engine and every other rank serves as a worker until the engine shuts down.
 
-Processes fail, and an engine must not hang when they do: a worker that dies closes its
-connections and rank 0's next collective fails at once; the executor then stops the others and
-raises an error that names the rank and its exit code.
+Processes fail, and an engine must not hang when they do. A thread of rank 0 watches every
+spawned worker's process (`watch_workers`): the moment one ends, the executor is marked broken
+and the tensor collectives are aborted, so rank 0 never waits in an all-reduce for a rank that
+is gone (gloo reports a closed connection at once; NCCL would wait out its timeout). The next
+call, or the one in flight, then stops the others and raises an error that names the rank and
+its exit code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -47,6 +51,7 @@ from minivllm.config import EngineConfig, resolve_device
 from minivllm.core.scheduler_output import SchedulerOutput
 from minivllm.distributed.parallel_state import (
     TensorParallelGroup,
+    abort_collectives,
     destroy_tensor_parallel,
     init_tensor_parallel,
 )
@@ -165,6 +170,7 @@ class MultiprocExecutor(Executor):
         # `del llm`, at exit, or after a failure) can run without keeping the executor alive.
         self.state = _ExecutorState(processes, torch.get_num_threads())
         self._finalizer = weakref.finalize(self, self.state.shutdown)
+        watch_workers(processes, self.state.worker_died)
         torch.set_num_threads(threads)
         try:
             if launch.store is not None:
@@ -185,6 +191,8 @@ class MultiprocExecutor(Executor):
                 "the tensor-parallel workers have stopped (after an error or an interrupt); "
                 "create a new LLM"
             )
+        if self.state.dead_workers:  # seen by the watcher: no collective can succeed
+            self._fail(RuntimeError("a worker process ended"))
         try:
             self.tp.broadcast_object((method, args, reply))
             result = getattr(self.driver_worker, method)(*args)
@@ -216,6 +224,16 @@ class _ExecutorState:
     tp: TensorParallelGroup | None = None
     broken: bool = False
     closed: bool = False
+    dead_workers: list = dataclasses.field(default_factory=list)  # found by `watch_workers`
+
+    def worker_died(self, dead: list) -> None:
+        """Called by the watcher thread: a worker ended while the engine still ran. Collectives
+        with it can never finish, so abort them: a step waiting in one raises now."""
+        if self.closed:
+            return  # a shutdown stopping its workers
+        self.dead_workers = dead
+        self.broken = True
+        abort_collectives()
 
     def shutdown(self) -> None:
         """Tell the workers to stop (unless the group is broken), then make sure they have."""
@@ -250,6 +268,21 @@ class _ExecutorState:
             f"tensor-parallel worker {names} died; the engine cannot continue (its own error, "
             f"if it had one, is printed above). Cause seen by rank 0: {error}"
         )
+
+
+def watch_workers(processes: list, on_death) -> None:
+    """Call `on_death(ended)` from a daemon thread as soon as any of `processes` ends. A process's
+    sentinel is a handle the OS marks ready when the process exits, however it exits (a crash,
+    SIGKILL, the OOM killer): waiting on the sentinels takes no collective and no polling."""
+    if not processes:
+        return  # torchrun's ranks are not our children: their launcher watches them
+
+    def watch():
+        sentinels = {process.sentinel: process for process in processes}
+        ready = multiprocessing.connection.wait(list(sentinels))
+        on_death([sentinels[sentinel] for sentinel in ready])
+
+    threading.Thread(target=watch, daemon=True, name="tp-worker-watch").start()
 
 
 def wait_for_workers(store, processes: list) -> None:

@@ -48,6 +48,15 @@ from minivllm.worker.cpu_allocator import keep_freed_memory_in_process
 from minivllm.worker.model_runner import ModelRunner
 
 
+def bind_to_device(device: torch.device) -> None:
+    """Make `device` this process's current CUDA device. Tensors go where `device` says, but a
+    Triton kernel launches on the *current* device and an NCCL communicator binds to it: a
+    rank on cuda:1 left on the default cuda:0 would launch its kernels on the wrong GPU, with
+    pointers into another one's memory. Nothing to do on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 class Worker:
     """One device's share: the whole model, or with tensor parallelism (chapter 07) one rank's
     shard of every layer, `tp` naming the group and this worker's rank in it."""
@@ -59,6 +68,7 @@ class Worker:
         self.tp = tp
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        bind_to_device(self.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_process()  # steps reuse activation memory without page faults
         backend_name = resolve_attention_backend_name(config.attention_backend, self.device)
