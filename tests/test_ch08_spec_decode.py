@@ -584,6 +584,50 @@ def test_memory_profiling_runs_the_draft_model_at_the_full_token_budget(tiny_mod
     assert seen == {"target": 48, "draft": 48}
 
 
+@pytest.mark.parametrize("speculative", [None, NGRAM], ids=["plain", "ngram k=4"])
+def test_memory_profiling_samples_every_row_a_step_can_score(tiny_model_dirs, speculative):
+    """The profile's logits and sampler cover the most rows a step scores: one per sequence,
+    or with speculation k + 1 per sequence, on the sampler's most expensive path, and the
+    rejection sampler's distributions too."""
+    from minivllm.worker.worker import Worker
+
+    extra = {} if speculative is None else {"speculative_config": speculative}
+    eng = engine(tiny_model_dirs[ENGINE_TEST_FAMILY], max_num_seqs=4, **extra)
+    seen = []
+    original = Worker.profile_sampler
+
+    def recording(logits, is_speculative):
+        seen.append((len(logits), is_speculative))
+        original(logits, is_speculative)
+
+    eng.executor.driver_worker.profile_sampler = recording
+    eng.executor.driver_worker.run_largest_batch()
+    rows = 4 * (1 + (0 if speculative is None else speculative["num_speculative_tokens"]))
+    assert seen == [(rows, speculative is not None)]
+
+
+def test_the_gpu_kv_budget_leaves_out_what_pytorch_did_not_allocate():
+    """gpu_memory_utilization of the whole GPU, less PyTorch's peak, less every byte in use that
+    PyTorch's allocator does not hold (another process, the CUDA context, NCCL's buffers): 10
+    GB more used elsewhere is 10 GB less KV cache; memory PyTorch keeps cached but free is not
+    counted twice."""
+    from minivllm.worker.worker import kv_cache_budget
+
+    GB = 10**9
+    alone = kv_cache_budget(
+        total=100 * GB, free=60 * GB, torch_reserved=30 * GB, torch_peak=20 * GB, utilization=0.9
+    )
+    assert alone == 90 * GB - 20 * GB - 10 * GB
+    beside_another = kv_cache_budget(
+        total=100 * GB, free=50 * GB, torch_reserved=30 * GB, torch_peak=20 * GB, utilization=0.9
+    )
+    assert alone - beside_another == 10 * GB
+    more_cached = kv_cache_budget(
+        total=100 * GB, free=50 * GB, torch_reserved=40 * GB, torch_peak=20 * GB, utilization=0.9
+    )
+    assert more_cached == alone
+
+
 # --- the scheduler's room for drafts and their K/V -----------------------------------------------
 
 
@@ -634,3 +678,18 @@ def test_a_grant_that_reaches_the_last_token_holds_the_lookahead_slots_too(token
     tables = scheduler.kv_cache_manager.block_tables
     for req_id, granted in output.num_scheduled_tokens.items():
         assert len(tables[req_id]) == cdiv(granted + lookahead, block_size), req_id
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_draft_model_engine_holds_k_slots_past_the_grant(tiny_model_dirs, k):
+    """The engine's scheduler gets the draft model's k as its lookahead: a prompt's first grant
+    reserves its tokens and k more slots, one per guess the draft will write (block size 1: no
+    rounding up to whole blocks hides a missing slot)."""
+    target = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    draft = {"method": "draft_model", "model": str(target), "num_speculative_tokens": k}
+    eng = engine(target, block_size=1, speculative_config=draft)
+    eng.add_request("r", {"prompt_token_ids": list(range(5, 12))}, SamplingParams(max_tokens=8))
+    output = eng.scheduler.schedule()
+    ((req_id, granted),) = output.num_scheduled_tokens.items()
+    assert granted == 7
+    assert len(eng.scheduler.kv_cache_manager.block_tables[req_id]) == 7 + k

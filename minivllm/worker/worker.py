@@ -40,12 +40,27 @@ from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGr
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.loader import load_model, resolve_model_path
 from minivllm.outputs import ModelRunnerOutput
-from minivllm.sample.sampler import Sampler, make_generator
+from minivllm.sample.sampler import Sampler, SamplingRow, make_generator
+from minivllm.sample.sampling_params import SamplingParams
 from minivllm.spec_decode.draft_model_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.utils import cdiv
 from minivllm.worker.cpu_allocator import keep_freed_memory_in_process
 from minivllm.worker.model_runner import ModelRunner
+
+
+def kv_cache_budget(
+    total: int, free: int, torch_reserved: int, torch_peak: int, utilization: float
+) -> int:
+    """Bytes the KV cache may take on a GPU of `total` bytes, `free` of them free now.
+
+    The engine may use `utilization` of the whole GPU. Out of that come the peak of PyTorch's
+    allocator during the profiling run (weights, activations, logits, the sampler) and every
+    byte in use that PyTorch did not allocate: the CUDA context, cuBLAS and NCCL workspaces,
+    other processes on the same GPU. The last is what the device reports in use beyond what
+    PyTorch's allocator holds."""
+    outside_torch = max(0, (total - free) - torch_reserved)
+    return int(total * utilization) - torch_peak - outside_torch
 
 
 def bind_to_device(device: torch.device) -> None:
@@ -228,28 +243,54 @@ class Worker:
     @torch.inference_mode()
     def _profile_free_gpu_memory(self) -> int:
         """Run the largest batch once, measure the peak memory, and give the KV cache whatever
-        gpu_memory_utilization leaves."""
+        gpu_memory_utilization leaves (`kv_cache_budget`)."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self.run_largest_batch()
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        _, total = torch.cuda.mem_get_info(self.device)
-        return int(total * self.config.gpu_memory_utilization) - peak
+        free, total = torch.cuda.mem_get_info(self.device)
+        return kv_cache_budget(
+            total=total,
+            free=free,
+            torch_reserved=torch.cuda.memory_reserved(self.device),
+            torch_peak=torch.cuda.max_memory_allocated(self.device),
+            utilization=self.config.gpu_memory_utilization,
+        )
 
     @torch.inference_mode()
     def run_largest_batch(self) -> None:
         """A forward of max_num_batched_tokens tokens through the real attention backend (on a
-        pool just big enough for it), with logits for max_num_seqs rows. Chapter 08: then the
-        same through the draft model, whose catch-up forward may be as large."""
+        pool just big enough for it), with logits for max_num_seqs rows, and the sampler on them
+        at its most expensive (temperature, top-k, top-p and a penalty: sorts and copies of the
+        vocabulary per row). With speculation every sequence scores k + 1 rows, and the
+        rejection sampler's distributions are made for all of them. Chapter 08: then the same
+        forward through the draft model, whose catch-up forward may be as large."""
         config = self.config
         runs = [(self.model, self.rank_model_config, None)]
         if self.draft_model is not None:
             runs.append((self.draft_model, self.draft_config, config.speculative.num_draft_layers))
-        for model, model_config, num_layers in runs:
+        speculative = config.speculative
+        rows_per_seq = 1 + (speculative.num_speculative_tokens if speculative else 0)
+        for is_target, (model, model_config, num_layers) in zip((True, False), runs):
             num_tokens = min(config.max_num_batched_tokens, model_config.max_model_len)
             dummy = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             positions = torch.arange(num_tokens, device=self.device)
             attention = self.scratch_attention(model_config, num_tokens)
             hidden = model(dummy, positions, attention, num_layers)
-            model.compute_logits(hidden[-config.max_num_seqs :])
+            if not is_target:  # the draft's guesses: one row per sequence
+                model.compute_logits(hidden[-config.max_num_seqs :])
+                continue
+            num_rows = min(num_tokens, config.max_num_seqs * rows_per_seq)
+            logits = model.compute_logits(hidden[-num_rows:])
+            if logits is not None:  # None on a tensor-parallel follower: rank 0 samples
+                self.profile_sampler(logits, speculative is not None)
+
+    @staticmethod
+    def profile_sampler(logits: torch.Tensor, speculative: bool) -> None:
+        """The sampler's most expensive pass over `logits`, for the memory it takes."""
+        params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, repetition_penalty=1.1)
+        rows = [SamplingRow(params, [0], [0], None) for _ in range(len(logits))]
+        sampler = Sampler()
+        sampler(logits, rows)
+        if speculative:
+            sampler.probabilities(logits, rows)
