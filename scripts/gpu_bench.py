@@ -3,6 +3,7 @@
     make gpu-bench                               # HF_HUB_OFFLINE=1 python scripts/gpu_bench.py
     python scripts/gpu_bench.py --out DIR        # write somewhere else than figures/gpu/
     python scripts/gpu_bench.py --quick          # tiny sizes, any device: checks that it runs
+    python scripts/gpu_bench.py --chapters 06,11 # only those chapters
 
 The notebooks measure on the machine they run on (a 2-core CPU for the committed outputs). This
 script measures what each chapter measures on a GPU, with the embedded SmolLM2-135M-Instruct in
@@ -45,7 +46,9 @@ chapters' modules). Per chapter:
 
 Each chapter writes two files under OUT/<device>/ (OUT is figures/gpu by default, <device> the
 GPU's name as a slug): NN-name.json and NN-name.png, e.g. figures/gpu/nvidia-h200/04-throughput.
-The JSON is `write_json`'s record, the same as `minivllm bench` writes: "workload" (name,
+Each chapter runs in isolation: one that raises writes NN.error.json (its error and traceback)
+instead of its files, and the others still run; the script then exits with status 1 naming the
+chapters that failed. The JSON is `write_json`'s record, the same as `minivllm bench` writes: "workload" (name,
 description), "device", "results" (one entry per method `run_benchmark` timed: every
 `MethodResult` field and output_tokens_per_s; empty for chapters 00, 03 and 08, and for 07 on
 one GPU), and then "chapter", "model", "dtype", "quick", "seconds" (wall time of the chapter) and
@@ -63,10 +66,13 @@ Its numbers check the plumbing, they measure nothing.
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import re
 import sys
 import tempfile
 import time
+import traceback
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -1566,18 +1572,46 @@ def measure_compiled_step(run: Run) -> Chapter:
 # --- shared by the chapters --------------------------------------------------------------------
 
 
-CHAPTERS = (
-    measure_logits,
-    measure_naive_cost,
-    measure_kv_cache,
-    measure_memory_waste,
-    measure_throughput,
-    measure_prefix_cache,
-    measure_attention_kernels,
-    measure_parallelism,
-    measure_speculative_decoding,
-    measure_compiled_step,
-)
+# Chapter number -> its measurement, in the order they run.
+CHAPTERS = {
+    "00": measure_logits,
+    "01": measure_naive_cost,
+    "02": measure_kv_cache,
+    "03": measure_memory_waste,
+    "04": measure_throughput,
+    "05": measure_prefix_cache,
+    "06": measure_attention_kernels,
+    "07": measure_parallelism,
+    "08": measure_speculative_decoding,
+    "11": measure_compiled_step,
+}
+
+
+def run_chapter(run: Run, number: str, out_dir: Path) -> bool:
+    """Measure one chapter and save it; on any error, write NN.error.json (the error and its
+    traceback) instead, free what the chapter held, and go on: one chapter's failure must not
+    cost the others' measurements. Returns whether it succeeded."""
+    start = time.perf_counter()
+    try:
+        chapter = CHAPTERS[number](run)
+        save(run, chapter, out_dir, time.perf_counter() - start)
+    except Exception as error:  # noqa: BLE001 -- recorded, and the run goes on
+        record = dict(
+            chapter=int(number),
+            device=device_label(),
+            error=f"{type(error).__name__}: {error}",
+            traceback=traceback.format_exc(),
+            seconds=time.perf_counter() - start,
+        )
+        (out_dir / f"{number}.error.json").write_text(json.dumps(record, indent=2) + "\n")
+        print(f"== chapter {number} FAILED: {record['error']}\n", file=sys.stderr)
+        plt.close("all")
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return False
+    print(f"== {chapter.stem}: {time.perf_counter() - start:.1f} s\n")
+    return True
 
 
 def device_slug() -> str:
@@ -1622,6 +1656,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="tiny model and sizes, any device (a check, not a measurement)",
     )
     parser.add_argument(
+        "--chapters",
+        default=",".join(CHAPTERS),
+        help="comma-separated chapter numbers to measure (default: all)",
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=None,
@@ -1632,8 +1671,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    """Measure every chapter; returns the folder the files went to."""
+    """Measure every chapter (or those of --chapters), each in isolation; returns the folder
+    the files went to, or exits with status 1 naming the chapters that failed."""
     args = parse_args(argv)
+    numbers = args.chapters.split(",")
+    unknown = [number for number in numbers if number not in CHAPTERS]
+    if unknown:
+        raise SystemExit(f"no chapter {unknown} in gpu_bench; it measures {list(CHAPTERS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.quick:
         raise SystemExit(
@@ -1650,13 +1694,10 @@ def main(argv: list[str] | None = None) -> Path:
     with tempfile.TemporaryDirectory(prefix="minivllm-tiny-") as scratch:
         run = load_run(args.quick, device, Path(scratch))
         print(f"{device_label()}, {run.model_name}, {DTYPE}; results in {out_dir}")
-        for measure in CHAPTERS:
-            chapter_start = time.perf_counter()
-            chapter = measure(run)
-            seconds = time.perf_counter() - chapter_start
-            save(run, chapter, out_dir, seconds)
-            print(f"== {chapter.stem}: {seconds:.1f} s\n")
-    print(f"all chapters in {time.perf_counter() - start:.0f} s: {out_dir}")
+        failed = [number for number in numbers if not run_chapter(run, number, out_dir)]
+    print(f"{len(numbers)} chapters in {time.perf_counter() - start:.0f} s: {out_dir}")
+    if failed:
+        raise SystemExit(f"chapters {failed} failed: see their NN.error.json in {out_dir}")
     return out_dir
 
 

@@ -255,6 +255,29 @@ def test_compiled_step_gives_the_eager_tokens_in_both_dtypes(records):
     assert record["batch1"][0]["num_requests"] == 1
 
 
+def test_a_failing_chapter_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
+    script = load_script()
+
+    def broken(run):
+        raise RuntimeError("a kernel that does not launch")
+
+    monkeypatch.setitem(script.CHAPTERS, "04", broken)
+    with pytest.raises(SystemExit, match=r"\['04'\] failed"):
+        script.main(["--quick", "--chapters", "00,04,03", "--out", str(tmp_path)])
+    (out_dir,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+    error = json.loads((out_dir / "04.error.json").read_text())
+    assert error["chapter"] == 4 and "a kernel that does not launch" in error["error"]
+    assert "RuntimeError" in error["traceback"]
+    for stem in ("00-logits", "03-memory-waste"):  # before and after the failure
+        assert (out_dir / f"{stem}.json").exists() and (out_dir / f"{stem}.png").exists()
+    assert not list(out_dir.glob("04-*"))
+
+
+def test_unknown_chapters_are_refused_by_name():
+    with pytest.raises(SystemExit, match="no chapter"):
+        load_script().main(["--quick", "--chapters", "12"])
+
+
 def test_all_reduce_ranks_of_the_nccl_measurement_run_on_gloo():
     """The NCCL measurement runs only with 2+ GPUs; its ranks' code runs here over gloo."""
     rows = load_script().all_reduce_between_processes("gloo", [256, 4096], repeats=3)
