@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from attention_cases import backend_step, paged_batches
-from conftest import CHAT_MESSAGES, chat_prompt_ids
+from conftest import CHAT_MESSAGES, ENGINE_TEST_FAMILY, chat_prompt_ids
 from hypothesis import given, settings
 
 from minivllm.attention import flex_paged
@@ -84,3 +84,35 @@ def test_engine_falls_back_to_torch_where_flex_does_not_compile(monkeypatch):
     with pytest.warns(UserWarning, match="using the 'torch' backend instead"):
         chosen = flex_paged.FlexPagedAttention.for_device(torch.device("cpu"))
     assert chosen is TorchPagedAttention
+
+
+def test_the_probe_tries_a_prompt_chunk_as_well_as_a_decode(monkeypatch):
+    """flex_compiles runs both kinds of call a step makes: a kernel that only fails on a prompt
+    chunk's block mask is found at start, not at the first long prompt."""
+    shapes = []
+    real = flex_paged.flex_paged_attention
+
+    def recording(q, kv, calls):
+        shapes.append(tuple(calls[0].rows.shape))  # [sequences, queries per sequence]
+        return real(q, kv, calls)
+
+    monkeypatch.setattr(flex_paged, "flex_paged_attention", recording)
+    flex_paged.flex_compiles.cache_clear()
+    try:
+        assert flex_paged.flex_compiles("cpu")
+    finally:
+        flex_paged.flex_compiles.cache_clear()
+    assert shapes[0] == (1, 1) and shapes[1][1] > 1
+
+
+def test_a_benchmark_row_named_flex_refuses_to_time_the_fallback(tiny_model_dirs, monkeypatch):
+    """Where flex cannot run, the engine falls back to the torch backend; a benchmark method
+    named "engine:flex" then stops with an error instead of timing torch under flex's name."""
+    from minivllm.bench.benchmark import BenchmarkContext, run_benchmark
+    from minivllm.bench.workloads import Workload
+
+    monkeypatch.setattr(flex_paged, "flex_compiles", lambda device_type: False)
+    ctx = BenchmarkContext.load(tiny_model_dirs[ENGINE_TEST_FAMILY])
+    workload = Workload("tiny", [[5, 6, 7]], [2], "one request")
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="fell back to 'torch'"):
+        run_benchmark(ctx, workload, ["engine:flex"], measure_peak=False)

@@ -281,13 +281,22 @@ def flex_paged_attention(q: torch.Tensor, kv: torch.Tensor, calls: list[FlexCall
 
 @functools.cache
 def flex_compiles(device_type: str) -> bool:
-    """Try once per process: does flex_attention compile and run on this device type?"""
+    """Try once per process: does flex_attention compile and run on this device type, for both
+    kinds of call a step makes (a decode batch, and a prompt chunk after cached tokens, whose
+    block mask has query tiles of PREFILL_QUERY_TILE rows: a kernel that only fails there must
+    fail here, not at the first long prompt)?"""
+    block_size, group = 4, 2
     try:
-        num_blocks, block_size = 2, 4
-        pool = torch.zeros(2, num_blocks, block_size, 1, 16, device=device_type)
-        metadata = AttentionMetadata.build([1], [3], [[1]], [6], device=device_type)
-        call = build_call(metadata, [0], num_blocks, block_size, group=2)
-        flex_paged_attention(torch.randn(1, 2, 16, device=device_type), pool, [call])
+        for query_len, seq_len in ((1, 3), (PREFILL_QUERY_TILE // group + 3, PREFILL_QUERY_TILE)):
+            num_blocks = cdiv(seq_len, block_size)
+            pool = torch.zeros(2, num_blocks, block_size, 1, 16, device=device_type)
+            slots = list(range(seq_len - query_len, seq_len))  # blocks 0, 1, ... in order
+            metadata = AttentionMetadata.build(
+                [query_len], [seq_len], [list(range(num_blocks))], slots, device=device_type
+            )
+            call = build_call(metadata, [0], num_blocks, block_size, group)
+            q = torch.randn(query_len, group, 16, device=device_type)
+            flex_paged_attention(q, pool, [call])
         return True
     except Exception as error:  # noqa: BLE001 -- any failure means "flex cannot run here"
         warnings.warn(f"flex_attention does not compile on {device_type}: {error}", stacklevel=2)

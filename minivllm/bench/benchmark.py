@@ -297,6 +297,7 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
                 del ctx.engines[key]  # built for a smaller workload: build it again
         if key not in ctx.engines:
             ctx.engines[key] = LLM(ctx.model_dir, dtype=ctx.dtype, device=ctx.device, **args)
+            check_attention_backend(ctx.engines[key], args.get("attention_backend", "auto"), key)
         warm_up = [{"prompt_token_ids": [1, 2, 3, 4]}]  # shares no block with the workload
         ctx.engines[key].generate(warm_up, SamplingParams(max_tokens=2), use_tqdm=False)
         # Every run starts cold: an engine reused for a second workload would otherwise find
@@ -317,6 +318,22 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
         )
 
     return Method(name, label, chapter, run, setup)
+
+
+def check_attention_backend(llm, requested: str, method: str) -> None:
+    """A row named after an attention backend must run it: a backend that cannot run on the
+    device falls back to the torch reference (with a warning), which would otherwise be timed
+    under the name asked for. Engines whose workers live in other processes (data
+    parallelism) are not looked into."""
+    worker = getattr(getattr(llm.llm_engine, "executor", None), "driver_worker", None)
+    if requested == "auto" or worker is None:
+        return
+    running = worker.attention_backend.name
+    if running != requested:
+        raise ValueError(
+            f"method {method!r} asked for the {requested!r} attention backend, and the engine "
+            f"fell back to {running!r} (its warning says why): not a measurement of {requested!r}"
+        )
 
 
 def _vllm_method(name: str, label: str, tuned: bool) -> Method:
