@@ -145,18 +145,31 @@ def build_call(
     rows = torch.where(valid, first_rows[:, None] + offsets[None, :], 0)
 
     # Each sequence's block-mask row: its block table (the rest of the pool never appears).
+    # Built on the device from the step's block tables: a GPU pool has hundreds of thousands
+    # of blocks, and a pool-wide tensor made on the CPU and copied over every step would cost
+    # more than the step. Block b of the pool is logical block physical_to_logical[s, b] of
+    # sequence s, or -1; one spare column takes the scatter of the padding entries (no
+    # boolean indexing, which would wait for the device).
     num_seqs = len(query_lens)
-    num_blocks = torch.tensor([cdiv(n, block_size) for n in seq_lens])
-    tables = metadata.block_tables[seqs].cpu()
+    num_blocks = torch.tensor([cdiv(n, block_size) for n in seq_lens], device=device)
+    tables = metadata.block_tables[seqs]
     tables = torch.cat([tables, tables.new_zeros(padding, tables.shape[1])])
     width = tables.shape[1]
-    logical = torch.arange(width)[None, :].expand(num_seqs, width)
+    logical = torch.arange(width, device=device)[None, :].expand(num_seqs, width)
     owned = logical < num_blocks[:, None]
-    physical_to_logical = torch.full((num_seqs, num_pool_blocks), -1, dtype=torch.int32)
-    batch_index = torch.arange(num_seqs)[:, None].expand(num_seqs, width)
-    physical_to_logical[batch_index[owned], tables[owned]] = logical[owned].int()
-    kv_indices = torch.zeros((num_seqs, 1, num_query_tiles, num_pool_blocks), dtype=torch.int32)
-    kv_indices[:, 0, :, :width] = tables[:, None, :].int()
+    physical_to_logical = torch.full(
+        (num_seqs, num_pool_blocks + 1), -1, dtype=torch.int32, device=device
+    )
+    physical_to_logical.scatter_(
+        1,
+        torch.where(owned, tables, num_pool_blocks),
+        torch.where(owned, logical, -1).to(torch.int32),
+    )
+    # flex's kernels want the lists as wide as the pool (zeros past the table: never visited).
+    kv_indices = torch.zeros(
+        (num_seqs, 1, num_query_tiles, num_pool_blocks), dtype=torch.int32, device=device
+    )
+    kv_indices[:, 0, :, :width] = tables[:, None, :].to(torch.int32)
 
     # Query tile t sees the blocks up to the one holding its last query token's position.
     context_lens = torch.tensor(seq_lens) - query_lens_t
@@ -166,17 +179,15 @@ def build_call(
     blocks_seen = (context_lens[:, None] + last_token) // block_size + 1
     kv_num_blocks = torch.where(tiles * query_tile < real_rows, blocks_seen, 0).int()[:, None]
 
-    mask_mod = paged_causal_mask(
-        physical_to_logical.to(device), context_lens.to(device), block_size, group
-    )
+    mask_mod = paged_causal_mask(physical_to_logical, context_lens.to(device), block_size, group)
     # Every listed block goes through the mask_mod ("partial" blocks); the "full" lists, for
     # blocks that need no mask, stay empty but are passed (PyTorch 2.13's CPU kernel expects
     # them in some shapes).
     block_mask = BlockMask.from_kv_blocks(
         kv_num_blocks.to(device),
-        kv_indices.to(device),
+        kv_indices,
         torch.zeros_like(kv_num_blocks).to(device),
-        torch.zeros_like(kv_indices).to(device),
+        torch.zeros_like(kv_indices),
         BLOCK_SIZE=(query_tile, block_size),
         compute_q_blocks=False,  # only the backward pass reads them
         mask_mod=mask_mod,
