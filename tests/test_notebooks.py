@@ -36,3 +36,25 @@ def test_there_are_notebooks():
     """Each chapter so far has its notebook."""
     assert len(NOTEBOOKS) >= 3, [p.name for p in NOTEBOOKS]
     assert os.path.isdir(Path(__file__).parent.parent / "figures")
+
+
+def test_every_chapter_notebook_has_its_gpu_section():
+    """Each chapter's notebook ends with an "On a GPU" section that reads its chapter's
+    gpu_bench records (or says there are none); the appendix is about the CPU alone."""
+    import json
+
+    for path in NOTEBOOKS:
+        chapter = path.stem.split("-")[0]
+        if not chapter[0].isdigit():
+            continue
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join("".join(cell["source"]) for cell in cells if cell["cell_type"] == "code")
+        headings = [
+            line
+            for cell in cells
+            if cell["cell_type"] == "markdown"
+            for line in "".join(cell["source"]).splitlines()
+            if line.startswith("#")
+        ]
+        assert f'load_gpu_results("{chapter}"' in code, path.name
+        assert any("On a GPU" in h or "On GPUs" in h for h in headings), path.name
