@@ -40,6 +40,9 @@ chapters' modules). Per chapter:
                          greedy: copying and free-writing requests at batch 1 (speedup, equal
                          tokens, acceptance per draft position), then the copying requests at
                          batch 1-64, plain against k = 3
+    01b sampler-cost     the sampler's time per step on random logits over the model's vocabulary,
+                         per setting (greedy, temperature, top-k, top-p, min-p, penalties, a
+                         seed) and rows in the batch: what decoding choices add to a step
     11 compiled-step     the engine eager against compiled with CUDA graphs (its default on a
                          GPU), float32 and bfloat16: one request decoding alone (batch 1, where
                          launch overhead is the whole step) and the varied-output workload
@@ -133,7 +136,7 @@ from minivllm.executor.multiproc import free_port
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.loader import embedded_model_dir, load_model, load_tokenizer
 from minivllm.models.tiny import make_tiny_model
-from minivllm.sample.sampler import Sampler
+from minivllm.sample.sampler import Sampler, SamplingRow, make_generator
 from minivllm.sample.sampling_params import SamplingParams
 from minivllm.tokenizer import apply_chat_template
 from minivllm.utils import cdiv
@@ -181,6 +184,7 @@ class Sizes:
     spec_output: int  # ch08: most tokens each request generates (a copy ends on its own)
     spec_batches: tuple[int, ...]  # ch08: copying requests at once in the batch sweep
     single_output: int  # ch11: tokens the one batch-1 request decodes
+    sampler_batches: tuple[int, ...]  # ch01b: rows of logits the sampler picks from at once
     repeats: int  # timed repetitions of a micro-benchmark; the fastest counts
 
 
@@ -218,6 +222,7 @@ GPU_SIZES = Sizes(
     spec_output=96,  # a paragraph's copy is 40-60 tokens: it ends before
     spec_batches=(1, 4, 16, 32, 64),
     single_output=128,
+    sampler_batches=(1, 32, 256),
     repeats=5,
 )
 
@@ -255,6 +260,7 @@ QUICK_SIZES = Sizes(
     spec_output=8,
     spec_batches=(1, 2),
     single_output=8,
+    sampler_batches=(1, 4),
     repeats=2,
 )
 
@@ -428,6 +434,71 @@ def measure_naive_cost(run: Run) -> Chapter:
         fig,
         results,
         dict(step_lengths=lengths, step_seconds=step_seconds),
+    )
+
+
+# --- chapter 01b: decoding ---------------------------------------------------------------------
+
+SAMPLER_SETTINGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature 0.8": SamplingParams(temperature=0.8),
+    "top-k 50": SamplingParams(temperature=0.8, top_k=50),
+    "top-p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
+    "min-p 0.1": SamplingParams(temperature=0.8, min_p=0.1),
+    "penalties": SamplingParams(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5),
+    "seeded": SamplingParams(temperature=0.8, seed=0),
+}
+
+
+def measure_sampler_cost(run: Run) -> Chapter:
+    """The sampler alone on random float32 logits over the model's vocabulary: milliseconds per
+    call for each decoding setting and number of rows, each row with 64 tokens of history.
+
+    JSON: results (empty); sampler_ms: [{"setting", "rows", "ms"}]; vocab_size.
+    """
+    vocab = run.model.config.vocab_size
+    history = list(range(64))
+    generator = torch.Generator(device=run.device).manual_seed(0)
+    sampler = Sampler(default_generator=generator)
+    rows_ms = []
+    for rows in run.sizes.sampler_batches:
+        logits = torch.randn(rows, vocab, device=run.device, generator=generator)
+        for setting, params in SAMPLER_SETTINGS.items():
+            sampling_rows = [
+                SamplingRow(params, history, history, make_generator(0) if params.seed else None)
+                for _ in range(rows)
+            ]
+            seconds = best_time(
+                partial(sampler, logits, sampling_rows), run.device, run.sizes.repeats
+            )
+            rows_ms.append(dict(setting=setting, rows=rows, ms=1e3 * seconds))
+    print("\n".join(f"{r['setting']:>16}, {r['rows']:>4} rows: {r['ms']:.3f} ms" for r in rows_ms))
+
+    fig, ax = plt.subplots(figsize=(10, 4), layout="constrained")
+    settings = list(SAMPLER_SETTINGS)
+    width = 0.8 / len(run.sizes.sampler_batches)
+    for i, rows in enumerate(run.sizes.sampler_batches):
+        ms = [
+            next(r["ms"] for r in rows_ms if r["setting"] == s and r["rows"] == rows)
+            for s in settings
+        ]
+        ax.bar([x + i * width for x in range(len(settings))], ms, width, label=f"{rows} rows")
+    ax.set_xticks(
+        [x + width * (len(run.sizes.sampler_batches) - 1) / 2 for x in range(len(settings))],
+        settings,
+    )
+    ax.set_ylabel("milliseconds per sampler call")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    workload = Workload(
+        "sampler-rows", [], [], f"random logits over {vocab} tokens, 64 tokens of history a row"
+    )
+    fig.suptitle(
+        run.title("The sampler's cost per step, by decoding setting", workload), fontsize=10
+    )
+    return Chapter(
+        "01b-sampler-cost", workload, fig, [], dict(sampler_ms=rows_ms, vocab_size=vocab)
     )
 
 
@@ -1576,6 +1647,7 @@ def measure_compiled_step(run: Run) -> Chapter:
 CHAPTERS = {
     "00": measure_logits,
     "01": measure_naive_cost,
+    "01b": measure_sampler_cost,
     "02": measure_kv_cache,
     "03": measure_memory_waste,
     "04": measure_throughput,

@@ -17,6 +17,7 @@ SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_bench.py"
 STEMS = [
     "00-logits",
     "01-cost-vs-length",
+    "01b-sampler-cost",
     "02-kv-cache",
     "03-memory-waste",
     "04-throughput",
@@ -234,6 +235,19 @@ def test_speculative_decoding_keeps_greedy_tokens(records):
         assert row["ratio"] == pytest.approx(
             row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
         )
+
+
+def test_sampler_cost_has_every_setting_at_every_batch(records):
+    script = load_script()
+    record = records["01b-sampler-cost"]
+    measured = {(row["setting"], row["rows"]) for row in record["sampler_ms"]}
+    assert measured == {
+        (setting, rows)
+        for setting in script.SAMPLER_SETTINGS
+        for rows in script.QUICK_SIZES.sampler_batches
+    }
+    assert all(row["ms"] > 0 for row in record["sampler_ms"])
+    assert record["vocab_size"] > 0
 
 
 def test_compiled_step_gives_the_eager_tokens_in_both_dtypes(records):
