@@ -43,6 +43,10 @@ chapters' modules). Per chapter:
     01b sampler-cost     the sampler's time per step on random logits over the model's vocabulary,
                          per setting (greedy, temperature, top-k, top-p, min-p, penalties, a
                          seed) and rows in the batch: what decoding choices add to a step
+    10 structured-outputs
+                         the same chat requests answered freely and under a JSON schema
+                         (xgrammar's bitmask per sampled row): output tokens/s of each and
+                         the schema's compile time
     11 compiled-step     the engine eager against compiled with CUDA graphs (its default on a
                          GPU), float32 and bfloat16: one request decoding alone (batch 1, where
                          launch overhead is the whole step) and the varied-output workload
@@ -137,7 +141,7 @@ from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.loader import embedded_model_dir, load_model, load_tokenizer
 from minivllm.models.tiny import make_tiny_model
 from minivllm.sample.sampler import Sampler, SamplingRow, make_generator
-from minivllm.sample.sampling_params import SamplingParams
+from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
 from minivllm.tokenizer import apply_chat_template
 from minivllm.utils import cdiv
 
@@ -185,6 +189,8 @@ class Sizes:
     spec_batches: tuple[int, ...]  # ch08: copying requests at once in the batch sweep
     single_output: int  # ch11: tokens the one batch-1 request decodes
     sampler_batches: tuple[int, ...]  # ch01b: rows of logits the sampler picks from at once
+    grammar_requests: int  # ch10: requests answered with and without a JSON schema
+    grammar_output: int  # ch10: most tokens each of them generates
     repeats: int  # timed repetitions of a micro-benchmark; the fastest counts
 
 
@@ -223,6 +229,8 @@ GPU_SIZES = Sizes(
     spec_batches=(1, 4, 16, 32, 64),
     single_output=128,
     sampler_batches=(1, 32, 256),
+    grammar_requests=32,
+    grammar_output=64,
     repeats=5,
 )
 
@@ -261,6 +269,8 @@ QUICK_SIZES = Sizes(
     spec_batches=(1, 2),
     single_output=8,
     sampler_batches=(1, 4),
+    grammar_requests=2,
+    grammar_output=12,
     repeats=2,
 )
 
@@ -1592,6 +1602,83 @@ def plot_speculative_decoding(
     return fig
 
 
+# --- chapter 10: structured outputs -----------------------------------------------------------
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def measure_structured_outputs(run: Run) -> Chapter:
+    """The same chat requests (greedy) answered freely and under a JSON schema, one batch each
+    on one engine: the grammar's cost is the bitmask each sampled row gets and the matchers
+    advanced by each token. The schema's first compile is timed apart (xgrammar caches it).
+
+    JSON: results (empty); rows: [{"mode", "requests", "output_tokens", "seconds",
+    "tokens_per_s"}] for "free" and "json schema"; ratio (schema / free tokens/s);
+    compile_seconds.
+    """
+    messages = [f"Describe person number {i} as JSON with a name and an age." for i in range(8)]
+    prompts = (chat_requests(run, messages) * run.sizes.grammar_requests)[
+        : run.sizes.grammar_requests
+    ]
+    llm = LLM(str(run.model_dir), dtype="float32", device=str(run.device), enforce_eager=run.quick)
+    schema = StructuredOutputsParams(json=PERSON_SCHEMA)
+    compile_start = time.perf_counter()
+    llm.generate(
+        prompts[:1], SamplingParams(max_tokens=1, structured_outputs=schema), use_tqdm=False
+    )
+    compile_seconds = time.perf_counter() - compile_start
+    rows = []
+    for mode, constraint in (("free", None), ("json schema", schema)):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=run.sizes.grammar_output, structured_outputs=constraint
+        )
+        start = time.perf_counter()  # generate returns tokens on the host: no sync needed
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rows.append(
+            dict(
+                mode=mode,
+                requests=len(prompts),
+                output_tokens=tokens,
+                seconds=seconds,
+                tokens_per_s=tokens / seconds,
+            )
+        )
+    ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    print(
+        f"schema compile {compile_seconds:.2f} s; "
+        + ", ".join(f"{r['mode']} {r['tokens_per_s']:.1f} tok/s" for r in rows)
+        + f" ({ratio:.2f}x)"
+    )
+
+    fig, ax = plt.subplots(figsize=(8, 3), layout="constrained")
+    bars = ax.barh([r["mode"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:purple")
+    ax.bar_label(bars, [f" {r['tokens_per_s']:.1f}" for r in rows])
+    ax.set_xlabel("output tokens per second")
+    ax.invert_yaxis()
+    workload = Workload(
+        "json-person",
+        [p["prompt_token_ids"] for p in prompts],
+        [run.sizes.grammar_output] * len(prompts),
+        f"{len(prompts)} chat requests for a person as JSON, greedy, at most "
+        f"{run.sizes.grammar_output} tokens",
+    )
+    fig.suptitle(run.title("Structured outputs: the grammar's cost", workload), fontsize=10)
+    del llm
+    return Chapter(
+        "10-structured-outputs",
+        workload,
+        fig,
+        [],
+        dict(rows=rows, ratio=ratio, compile_seconds=compile_seconds),
+    )
+
+
 # --- chapter 11: the compiled step -------------------------------------------------------------
 
 
@@ -1655,6 +1742,7 @@ CHAPTERS = {
     "06": measure_attention_kernels,
     "07": measure_parallelism,
     "08": measure_speculative_decoding,
+    "10": measure_structured_outputs,
     "11": measure_compiled_step,
 }
 

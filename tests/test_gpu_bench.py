@@ -25,6 +25,7 @@ STEMS = [
     "06-attention-kernels",
     "07-parallelism",
     "08-speculative-decoding",
+    "10-structured-outputs",
     "11-compiled-step",
 ]
 
@@ -248,6 +249,18 @@ def test_sampler_cost_has_every_setting_at_every_batch(records):
     }
     assert all(row["ms"] > 0 for row in record["sampler_ms"])
     assert record["vocab_size"] > 0
+
+
+def test_structured_outputs_time_both_modes_on_the_same_requests(records):
+    record = records["10-structured-outputs"]
+    free, constrained = record["rows"]
+    assert (free["mode"], constrained["mode"]) == ("free", "json schema")
+    assert free["requests"] == constrained["requests"] > 0
+    for row in (free, constrained):
+        assert row["output_tokens"] > 0
+        assert row["tokens_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
+    assert record["ratio"] == pytest.approx(constrained["tokens_per_s"] / free["tokens_per_s"])
+    assert record["compile_seconds"] > 0
 
 
 def test_compiled_step_gives_the_eager_tokens_in_both_dtypes(records):
