@@ -132,36 +132,25 @@ def test_two_models_of_one_shape_never_share_weights(embedded_dir, embedded_mode
 
 
 def test_compiled_engine_equals_transformers(embedded_dir, chat_prompts, transformers_greedy):
-    """The engine compiled emits transformers' greedy tokens, batched."""
-    llm = LLM(model=str(embedded_dir), max_num_seqs=4, enforce_eager=False)
-    assert isinstance(step_forward(llm), CompiledModel)
-    max_tokens = [6, 20, 24, 20]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=[EOS_TOKEN_ID])
-        for n in max_tokens
-    ]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params)
-    for output, prompt, n in zip(outputs, chat_prompts, max_tokens):
-        assert list(output.outputs[0].token_ids) == transformers_greedy(prompt, n)
-
-
-def test_compiled_engine_verifying_drafts_equals_transformers(
-    embedded_dir, chat_prompts, transformers_greedy
-):
-    """With n-gram speculation (chapter 08) the compiled model verifies several tokens per
-    request in one step, rows the dynamic graph serves; greedy tokens stay transformers'.
-    Prompts that repeat a phrase give the n-gram proposer something to copy."""
-    prompts = [prompt[-12:] * 3 for prompt in chat_prompts[:2]] + chat_prompts[2:]
+    """The engine compiled emits transformers' greedy tokens, batched, also while it verifies
+    n-gram drafts (chapter 08: several rows per request in one step, which the dynamic graph
+    serves). Prompts that repeat a phrase give the proposer something to copy."""
     llm = LLM(
         model=str(embedded_dir),
         max_num_seqs=4,
         enforce_eager=False,
         speculative_config={"method": "ngram", "num_speculative_tokens": 3},
     )
-    params = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[EOS_TOKEN_ID])
+    assert isinstance(step_forward(llm), CompiledModel)
+    prompts = [prompt[-12:] * 3 for prompt in chat_prompts[:2]] + chat_prompts[2:]
+    max_tokens = [6, 20, 24, 20]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=[EOS_TOKEN_ID])
+        for n in max_tokens
+    ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    for output, prompt in zip(outputs, prompts):
-        assert list(output.outputs[0].token_ids) == transformers_greedy(prompt, 24)
+    for output, prompt, n in zip(outputs, prompts, max_tokens):
+        assert list(output.outputs[0].token_ids) == transformers_greedy(prompt, n)
     metrics = {metric.name: metric.value for metric in llm.get_metrics()}
     assert metrics["vllm:spec_decode_num_draft_tokens"] > 0  # drafts were verified
 

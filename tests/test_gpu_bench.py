@@ -263,18 +263,16 @@ def test_structured_outputs_time_both_modes_on_the_same_requests(records):
     assert record["compile_seconds"] > 0
 
 
-def test_compiled_step_gives_the_eager_tokens_in_both_dtypes(records):
+def test_compiled_step_gives_the_eager_tokens(records):
     """Chapter 11: compiled (with CUDA graphs on a GPU) against eager, at batch 1 and on the
     varied workload; float32 compiled gives the eager float32 tokens, and each speedup is the
-    ratio of the rates recorded."""
+    ratio of the rates recorded (the quick run measures float32 only)."""
     record = records["11-compiled-step"]
     for name, rows in (("varied", record["results"]), ("batch1", record["batch1"])):
         rate = {row["method"]: row for row in rows}
         eager, compiled = (rate[f"engine-no-prefix-cache:{s}"] for s in ("eager", "compiled"))
         assert compiled["same_tokens_as_first"] == 1.0 and compiled["matching_tokens"] == 1.0
         assert eager["output_tokens"] == compiled["output_tokens"] > 0
-        bf16 = rate["engine-no-prefix-cache:compiled@bfloat16"]
-        assert bf16["dtype"] == "bfloat16" and bf16["output_tokens"] == eager["output_tokens"]
         speedup = record["speedups"][name]["float32"]
         assert speedup == pytest.approx(
             compiled["output_tokens_per_s"] / eager["output_tokens_per_s"]
