@@ -46,9 +46,10 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(PY) -m minivllm bench --num-requests 64 --baseline hf \
 		--methods engine-no-prefix-cache,engine,engine-no-prefix-cache@bfloat16,static:64,hf-static:64,hf-static:16,hf-cb:512,hf
 
-# Every chapter's measurement on one CUDA GPU (a few minutes): figures/gpu/<device>/NN-*.json, .png
+# Every chapter's measurement on one CUDA GPU (a few minutes), the CUDA smoke first:
+# figures/gpu/<device>/NN-*.json, .png and smoke.json (minivllm/bench/gpu/, a module a chapter)
 gpu-bench: setup
-	HF_HUB_OFFLINE=1 $(PY) scripts/gpu_bench.py
+	HF_HUB_OFFLINE=1 $(PY) -m minivllm.bench.gpu
 
 # The real vLLM's CPU build in a venv of its own (it pins its own transformers and FastAPI), for
 # the benchmark's vllm and vllm-tuned methods (chapter 11); not part of `make test`. Its tuned

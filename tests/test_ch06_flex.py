@@ -14,8 +14,10 @@ import torch
 from attention_cases import backend_step, paged_batches
 from conftest import CHAT_MESSAGES, ENGINE_TEST_FAMILY, chat_prompt_ids
 from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minivllm.attention import flex_paged
+from minivllm.attention.backend import AttentionMetadata
 from minivllm.attention.torch_paged import TorchPagedAttention
 
 # One pool and head layout: every example reuses the same few compiled kernels.
@@ -35,8 +37,6 @@ def test_flex_backend_equals_attention(batch):
 
 def test_block_mask_lists_each_sequence_its_own_blocks_up_to_its_last_query():
     """Two sequences in one decode call, padded to a batch of 2, a pool of 8 blocks of 4."""
-    from minivllm.attention.backend import AttentionMetadata
-
     metadata = AttentionMetadata.build(
         query_lens=[1, 1], seq_lens=[6, 3], block_tables=[[7, 2], [5]], slot_mapping=[9, 22]
     )
@@ -116,3 +116,79 @@ def test_a_benchmark_row_named_flex_refuses_to_time_the_fallback(tiny_model_dirs
     workload = Workload("tiny", [[5, 6, 7]], [2], "one request")
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="fell back to 'torch'"):
         run_benchmark(ctx, workload, ["engine:flex"], measure_peak=False)
+
+
+POOL_BLOCKS, OWNER_BLOCK_SIZE, MAX_SEQS = 12, 4, 4
+
+
+@st.composite
+def decode_steps(draw) -> AttentionMetadata:
+    """One step's batch over a pool of 12 blocks of 4: 1-4 sequences, each with its own blocks
+    in any order (sequences may share a block, as prefix caching makes them)."""
+    num_seqs = draw(st.integers(1, MAX_SEQS))
+    seq_lens = draw(st.lists(st.integers(1, 24), min_size=num_seqs, max_size=num_seqs))
+    tables = [
+        draw(st.permutations(range(POOL_BLOCKS)))[: -(-n // OWNER_BLOCK_SIZE)] for n in seq_lens
+    ]
+    slots = [
+        t[(n - 1) // OWNER_BLOCK_SIZE] * OWNER_BLOCK_SIZE + (n - 1) % OWNER_BLOCK_SIZE
+        for t, n in zip(tables, seq_lens)
+    ]
+    return AttentionMetadata.build([1] * num_seqs, seq_lens, tables, slots)
+
+
+@settings(max_examples=40, deadline=None)
+@given(steps=st.lists(decode_steps(), min_size=1, max_size=6))
+def test_the_kept_table_of_block_owners_is_a_fresh_one_at_every_step(steps):
+    """The backend keeps the pool-wide table between steps and rewrites only what changed: at
+    every step of a run it must equal the table made afresh, with nothing left from the steps
+    before in any row (a row no sequence uses this step is all -1)."""
+    kept = flex_paged.BlockOwnerTable(POOL_BLOCKS, MAX_SEQS, torch.device("cpu"))
+    for metadata in steps:
+        table = kept.update(metadata, OWNER_BLOCK_SIZE)
+        fresh = flex_paged.block_owners(metadata, POOL_BLOCKS, OWNER_BLOCK_SIZE)
+        assert table.shape == (MAX_SEQS, POOL_BLOCKS + 1)
+        assert torch.equal(table[: metadata.num_seqs], fresh)
+        assert (table[metadata.num_seqs :] == -1).all()
+        for row, (table_row, n) in enumerate(
+            zip(metadata.block_tables_list, metadata.seq_lens_list)
+        ):
+            for logical, physical in enumerate(table_row[: -(-n // OWNER_BLOCK_SIZE)]):
+                assert table[row, physical] == logical
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("query_len", [1, 7, 40])
+def test_block_mask_tiles_are_ones_a_gpu_kernel_divides(group, query_len):
+    """inductor's GPU kernels (torch/_inductor/kernel/flex/flex_attention.py for prompt chunks,
+    flex_decoding.py for decodes) refuse a block mask whose query tile their own BLOCK_M does
+    not divide, or whose KV tile BLOCK_N does not divide; tensor-core products need tiles of
+    at least 16 on a side, and flex_decoding takes BLOCK_M = the rows rounded up to a power of
+    two, at least 16. The tiles the backend asks for (`kernel_options` on CUDA) must obey that
+    for every call it builds: a decode of 1-8 query heads per K/V head, a chunk of a prompt."""
+    block_size = 16
+    num_tokens = 30 + query_len
+    table = list(range(-(-num_tokens // block_size)))
+    metadata = AttentionMetadata.build(
+        [query_len], [num_tokens], [table], list(range(num_tokens - query_len, num_tokens))
+    )
+    call = flex_paged.build_call(metadata, [0], len(table), block_size, group)
+    query_tile, kv_tile = call.block_mask.BLOCK_SIZE
+    options = flex_paged.kernel_options(query_tile, kv_tile, torch.device("cuda"))
+    block_m, block_n = options["BLOCK_M"], options["BLOCK_N"]
+    for side in (block_m, block_n):
+        assert side >= 16 and side & (side - 1) == 0, options
+    assert query_tile % block_m == 0 and kv_tile % block_n == 0
+    if query_len == 1:
+        rows = group  # a decode's rows: its token for each query head of the K/V head
+        assert query_tile % max(16, 1 << (rows - 1).bit_length()) == 0
+    assert flex_paged.kernel_options(query_tile, kv_tile, torch.device("cpu")) == {}
+
+
+def test_flex_on_a_gpu_refuses_a_block_size_its_kernel_cannot_tile():
+    for block_size in (16, 32, 64):
+        flex_paged.check_block_size(block_size, torch.device("cuda"))
+    for block_size in (1, 8, 24):
+        with pytest.raises(ValueError, match="block_size a power of two, at least 16"):
+            flex_paged.check_block_size(block_size, torch.device("cuda"))
+    flex_paged.check_block_size(8, torch.device("cpu"))  # the CPU kernel takes any

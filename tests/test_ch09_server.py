@@ -397,10 +397,15 @@ def test_bench_serve_at_one_rate(server, tiny_llm):
     prompts = [tokenizer.encode(f"Benchmark prompt {i} about rivers") for i in range(6)]
     (result,) = bench_serve(server.base_url, prompts, [8.0], max_tokens=6, max_seconds=60)
     assert result.num_sent == result.num_completed == 6 and not result.errors
+    assert result.num_failed == 0
     assert result.output_throughput == pytest.approx(36 / result.duration_s)
-    for latency in (result.ttft_ms, result.itl_ms, result.e2e_ms):
+    for latency in (result.ttft_ms, result.tpot_ms, result.itl_ms, result.e2e_ms):
         assert 0 < latency["p50"] <= latency["p90"] <= latency["p99"]
     assert result.ttft_ms["p50"] <= result.e2e_ms["p50"]
+    # Each request's 5 tokens after the first took TPOT each, after its TTFT: 5 TPOT <= E2E,
+    # request by request, so percentile by percentile.
+    for p in ("p50", "p90", "p99"):
+        assert 5 * result.tpot_ms[p] <= result.e2e_ms[p] + 1e-9
     wait_until_idle(server)
 
 

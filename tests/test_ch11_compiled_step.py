@@ -2,7 +2,9 @@
 
 The model compiled by torch.compile (attention an opaque operator, the products on the same
 packed oneDNN weights) gives transformers' greedy float32 tokens, on a mixed batch agrees with
-eager to float32 rounding, and never mixes up two models of the same shape.
+eager to float32 rounding, and never mixes up two models of the same shape. The checks compile
+a tiny two-layer model of the embedded model's family (inductor's compile time grows with the
+layers, and every layer is the same code); notebook 11 compiles the embedded model itself.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import EOS_TOKEN_ID
+from conftest import ENGINE_TEST_FAMILY, EOS_TOKEN_ID
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention.backend import AttentionMetadata, PagedKVCache, slot_mapping
@@ -81,14 +83,19 @@ def step_forward(llm):
 
 
 @pytest.fixture(scope="module")
-def compiled_embedded(embedded_model):
-    return CompiledModel(embedded_model)
+def tiny_model(tiny_models):
+    return tiny_models(ENGINE_TEST_FAMILY)[0]
 
 
 @pytest.fixture(scope="module")
-def embedded_model_float64(embedded_dir):
+def compiled_tiny(tiny_model):
+    return CompiledModel(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_float64(tiny_model_dirs):
     """The reference both float32 forwards are measured against."""
-    return load_model(embedded_dir, torch.float64)
+    return load_model(tiny_model_dirs[ENGINE_TEST_FAMILY], torch.float64)
 
 
 @pytest.mark.parametrize(
@@ -98,7 +105,7 @@ def embedded_model_float64(embedded_dir):
 )
 @torch.inference_mode()
 def test_compiled_forward_is_as_accurate_as_eager(
-    embedded_model, compiled_embedded, embedded_model_float64, prompt_lens, decode_lens
+    tiny_model, compiled_tiny, tiny_model_float64, prompt_lens, decode_lens
 ):
     """Against the same model in float64, the compiled float32 logits are no further off than
     the eager ones (fused loops round differently, not worse), for batches of one token
@@ -109,17 +116,17 @@ def test_compiled_forward_is_as_accurate_as_eager(
         input_ids, positions, make_backend = mixed_batch(model, prompt_lens, decode_lens)
         return model.compute_logits(forward(input_ids, positions, make_backend())).double()
 
-    reference = logits(embedded_model_float64, embedded_model_float64)
-    eager_error = (logits(embedded_model, embedded_model) - reference).abs().max().item()
-    compiled_error = (logits(embedded_model, compiled_embedded) - reference).abs().max().item()
+    reference = logits(tiny_model_float64, tiny_model_float64)
+    eager_error = (logits(tiny_model, tiny_model) - reference).abs().max().item()
+    compiled_error = (logits(tiny_model, compiled_tiny) - reference).abs().max().item()
     assert compiled_error <= 2 * eager_error + 1e-5, (compiled_error, eager_error)
 
 
 @torch.inference_mode()
-def test_two_models_of_one_shape_never_share_weights(embedded_dir, embedded_model):
+def test_two_models_of_one_shape_never_share_weights(tiny_model_dirs, tiny_model):
     """Compiled code is reused across models of the same shapes (weights are its inputs), so
     a second model must give its own outputs, not the first one's."""
-    first, second = embedded_model, load_model(embedded_dir)
+    first, second = tiny_model, load_model(tiny_model_dirs[ENGINE_TEST_FAMILY])
     with torch.no_grad():
         for parameter in second.parameters():
             parameter.mul_(0.5)
@@ -131,18 +138,23 @@ def test_two_models_of_one_shape_never_share_weights(embedded_dir, embedded_mode
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_compiled_engine_equals_transformers(embedded_dir, chat_prompts, transformers_greedy):
+def test_compiled_engine_equals_transformers(tiny_model_dirs, chat_prompts, tiny_greedy):
     """The engine compiled emits transformers' greedy tokens, batched, also while it verifies
-    n-gram drafts (chapter 08: several rows per request in one step, which the dynamic graph
-    serves). Prompts that repeat a phrase give the proposer something to copy."""
+    drafts (chapter 08: several rows per request in one step, which the dynamic graph serves).
+    The drafts come from the model's first layer alone (layer_skip): the target accepts some
+    and rejects others."""
     llm = LLM(
-        model=str(embedded_dir),
+        model=str(tiny_model_dirs[ENGINE_TEST_FAMILY]),
         max_num_seqs=4,
         enforce_eager=False,
-        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+        speculative_config={
+            "method": "layer_skip",
+            "num_draft_layers": 1,
+            "num_speculative_tokens": 3,
+        },
     )
     assert isinstance(step_forward(llm), CompiledModel)
-    prompts = [prompt[-12:] * 3 for prompt in chat_prompts[:2]] + chat_prompts[2:]
+    prompts = chat_prompts
     max_tokens = [6, 20, 24, 20]
     params = [
         SamplingParams(temperature=0.0, max_tokens=n, stop_token_ids=[EOS_TOKEN_ID])
@@ -150,9 +162,10 @@ def test_compiled_engine_equals_transformers(embedded_dir, chat_prompts, transfo
     ]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for output, prompt, n in zip(outputs, prompts, max_tokens):
-        assert list(output.outputs[0].token_ids) == transformers_greedy(prompt, n)
+        assert list(output.outputs[0].token_ids) == tiny_greedy(prompt, n)
     metrics = {metric.name: metric.value for metric in llm.get_metrics()}
-    assert metrics["vllm:spec_decode_num_draft_tokens"] > 0  # drafts were verified
+    drafts = metrics["vllm:spec_decode_num_draft_tokens"]
+    assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] < drafts  # both kinds verified
 
 
 def test_enforce_eager_runs_the_model_itself(embedded_dir):

@@ -1,20 +1,26 @@
-"""scripts/gpu_bench.py in quick mode: every chapter writes its JSON and its figure, and the
-numbers in them are sane. `make gpu-bench` runs the same code at full size on a GPU; this run
-(a tiny random model, tiny workloads, on whatever device there is) keeps it from rotting.
+"""minivllm.bench.gpu in quick mode: the CUDA smoke and every chapter write their JSON (and
+each chapter its figure), and the numbers in them are sane. `make gpu-bench` runs the same code
+at full size on a GPU; this run (a tiny random model, tiny workloads, on whatever device there
+is) keeps it from rotting.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from filelock import FileLock
 
-SCRIPT = Path(__file__).parent.parent / "scripts" / "gpu_bench.py"
-STEMS = [
+from minivllm.bench.gpu import ch09_serving, main, smoke
+from minivllm.bench.gpu.ch01b_sampler_cost import SAMPLER_SETTINGS
+from minivllm.bench.gpu.common import QUICK_SIZES, all_reduce_between_processes
+from minivllm.models.loader import embedded_model_dir, load_tokenizer
+
+CHAPTER_STEMS = [
     "00-logits",
     "01-cost-vs-length",
     "01b-sampler-cost",
@@ -25,27 +31,40 @@ STEMS = [
     "06-attention-kernels",
     "07-parallelism",
     "08-speculative-decoding",
+    "09-serving",
     "10-structured-outputs",
     "11-compiled-step",
 ]
-
-
-def load_script():
-    """The script as a module (scripts/ is not a package). It is registered in sys.modules
-    first, as an import would: its dataclasses look their module up there."""
-    if "gpu_bench" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
-        sys.modules["gpu_bench"] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sys.modules["gpu_bench"])
-    return sys.modules["gpu_bench"]
+STEMS = ["smoke", *CHAPTER_STEMS]
+# The smoke's branches that need a CUDA device; the others run on a CPU too.
+CUDA_BRANCHES = {
+    "triton_attention",
+    "cuda_graphs_engine",
+    "nccl_all_reduce",
+    "tensor_parallel_engine",
+    "data_parallel_engine",
+}
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory) -> dict[str, dict]:
-    """Run the script once in quick mode; chapter stem -> its JSON record."""
-    out_dir = load_script().main(["--quick", "--out", str(tmp_path_factory.mktemp("gpu"))])
-    for stem in STEMS:
+def records(tmp_path_factory, worker_id) -> dict[str, dict]:
+    """Run the bench once in quick mode; stem -> its JSON record. Under pytest-xdist several
+    workers may run this module's tests: the first to take the lock runs the bench into the
+    session's folder (the parent of each worker's own), and the others read its files."""
+    if worker_id == "master":  # no xdist: this process is the whole session
+        out_dir = main.main(["--quick", "--out", str(tmp_path_factory.mktemp("gpu"))])
+    else:
+        session_dir = tmp_path_factory.getbasetemp().parent
+        with FileLock(session_dir / "gpu-bench.lock"):
+            done = session_dir / "gpu-bench.done"
+            if done.exists():
+                out_dir = Path(done.read_text())
+            else:
+                out_dir = main.main(["--quick", "--out", str(session_dir / "gpu-bench")])
+                done.write_text(str(out_dir))
+    for stem in CHAPTER_STEMS:
         assert (out_dir / f"{stem}.png").stat().st_size > 10_000, f"{stem}.png is missing or empty"
+    assert not (out_dir / "smoke.png").exists()  # the smoke's record is its statuses
     return {stem: json.loads((out_dir / f"{stem}.json").read_text()) for stem in STEMS}
 
 
@@ -53,15 +72,70 @@ def by_method(record: dict) -> dict[str, dict]:
     return {result["method"]: result for result in record["results"]}
 
 
+def float32_rows(record: dict) -> list[dict]:
+    """The results whose tokens are compared: bfloat16 rows ("...@bfloat16") are for speed."""
+    return [result for result in record["results"] if result["dtype"] == "float32"]
+
+
 def test_every_chapter_writes_the_common_fields(records):
     for stem, record in records.items():
-        assert record["chapter"] == int(stem[:2]), stem
+        assert record["chapter"] == (None if stem == "smoke" else int(stem[:2])), stem
         assert record["quick"] is True and record["dtype"] == "float32"
         assert record["workload"]["name"] and record["workload"]["description"]
         assert record["device"] and record["model"] and record["seconds"] > 0
         for result in record["results"]:
             assert result["output_tokens_per_s"] > 0
             assert result["output_tokens"] > 0
+
+
+def test_the_smoke_runs_every_branch_and_none_fails(records):
+    record = records["smoke"]
+    branches = record["branches"]
+    assert list(branches) == list(smoke.BRANCHES)
+    failed = {name: status for name, status in branches.items() if status != "ok"}
+    assert all(status.startswith("skipped: ") for status in failed.values()), failed
+    assert set(record["details"]) == {name for name, status in branches.items() if status == "ok"}
+    assert record["tracebacks"] == {}
+    assert record["num_gpus"] == torch.cuda.device_count()
+    if not torch.cuda.is_available():
+        assert failed == {name: "skipped: no CUDA device" for name in CUDA_BRANCHES}
+    # What runs on any device ran, and checked what it says.
+    for name in ("torch_engine", "bfloat16_engine"):
+        assert record["details"][name]["output_tokens"] == 2 * QUICK_SIZES.smoke_output
+    flex = record["details"]["flex_attention"]
+    for diff in (flex["decode_max_abs_diff"], flex["prefill_max_abs_diff"]):
+        assert 0 <= diff <= smoke.ATTENTION_TOLERANCE
+
+
+def test_serving_latency_at_every_rate(records):
+    record = records["09-serving"]
+    rates = record["rates"]
+    assert [row["request_rate"] for row in rates] == list(QUICK_SIZES.serve_rates)
+    assert record["prefix_caching"] is False
+    for row in rates:
+        assert row["num_sent"] == QUICK_SIZES.serve_requests  # a tiny load: all sent in time
+        assert 0 < row["num_completed"] <= row["num_sent"]
+        assert row["num_failed"] == row["num_sent"] - row["num_completed"]
+        assert row["output_throughput"] > 0 and row["request_throughput"] > 0
+        for latency in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+            p50, p90, p99 = (row[latency][p] for p in ("p50", "p90", "p99"))
+            assert 0 < p50 <= p90 <= p99, (row["request_rate"], latency)
+        # Per request the first token comes before the end, so every percentile does too.
+        assert all(row["ttft_ms"][p] <= row["e2e_ms"][p] for p in ("p50", "p90", "p99"))
+    assert math.isinf(rates[-1]["request_rate"])  # the last rate sends everything at once
+
+
+def test_serving_sends_fresh_prompts_at_every_rate():
+    """No rate's prompts are an earlier rate's: the prefix cache could not make a later rate
+    cheaper even if it were on."""
+    tokenizer = load_tokenizer(embedded_model_dir())
+    run = SimpleNamespace(tokenizer=tokenizer, sizes=QUICK_SIZES)
+    workload, per_rate = ch09_serving.fresh_prompts(run)
+    assert [len(prompts) for prompts in per_rate] == [QUICK_SIZES.serve_requests] * len(
+        QUICK_SIZES.serve_rates
+    )
+    every_prompt = [tuple(prompt) for prompts in per_rate for prompt in prompts]
+    assert len(set(every_prompt)) == len(every_prompt) == workload.num_requests
 
 
 def test_logits_equal_transformers(records):
@@ -81,9 +155,11 @@ def test_naive_cost_and_kv_cache_methods_agree_with_transformers(records):
 
     kv_cache = records["02-kv-cache"]
     methods = by_method(kv_cache)
-    assert list(methods) == ["hf", "naive", "kv-cache", "static", "hf-static"]
+    assert list(methods) == ["hf", "naive", "kv-cache", "static", "static@bfloat16", "hf-static"]
+    assert methods["static@bfloat16"]["dtype"] == "bfloat16"
+    assert methods["static@bfloat16"]["output_tokens"] == methods["static"]["output_tokens"]
     # Greedy float32: every method gives transformers' tokens.
-    assert all(result["same_tokens_as_first"] == 1.0 for result in methods.values())
+    assert all(result["same_tokens_as_first"] == 1.0 for result in float32_rows(kv_cache))
     assert all(seconds > 0 for seconds in kv_cache["decode_step_seconds"])
     static = kv_cache["static_batch"]
     assert static["reserved_kv_bytes"] >= static["needed_kv_bytes"] > 0
@@ -118,10 +194,18 @@ def test_throughput_runs_every_method_on_the_whole_workload(records):
 
 def test_prefix_cache_computes_fewer_prompt_tokens(records):
     prefix = records["05-prefix-cache"]
-    off, on = prefix["results"]
-    assert (off["method"], on["method"]) == ("engine-no-prefix-cache", "engine")
+    off, on, off_bf16, on_bf16 = prefix["results"]
+    assert [r["method"] for r in prefix["results"]] == [
+        "engine-no-prefix-cache",
+        "engine",
+        "engine-no-prefix-cache@bfloat16",
+        "engine@bfloat16",
+    ]
     assert on["same_tokens_as_first"] == 1.0
-    assert on["prompt_tokens_computed"] < off["prompt_tokens_computed"] == off["prompt_tokens"]
+    for without, with_cache in ((off, on), (off_bf16, on_bf16)):
+        computed = with_cache["prompt_tokens_computed"]
+        assert computed < without["prompt_tokens_computed"] == without["prompt_tokens"]
+    assert {off_bf16["dtype"], on_bf16["dtype"]} == {"bfloat16"}
     assert prefix["prompt_tokens_computed"] == {
         "off": off["prompt_tokens_computed"],
         "on": on["prompt_tokens_computed"],
@@ -135,10 +219,14 @@ def test_attention_backends_run_side_by_side_with_the_same_tokens(records):
     backends = kernels["backends"]
     assert backends[:2] == ["torch", "flex"]  # and "triton" where it runs (GPU, interpreter)
     methods = by_method(kernels)
-    # The engine runs on every backend, but not on Triton's interpreter (far too slow).
+    # The engine runs on every backend, but not on Triton's interpreter (far too slow); in
+    # bfloat16 too, but for flex's (a compile of its own) in a quick run.
     engine_backends = [name for name in backends if torch.cuda.is_available() or name != "triton"]
-    assert list(methods) == [f"engine-no-prefix-cache:{name}" for name in engine_backends]
-    assert all(result["same_tokens_as_first"] == 1.0 for result in methods.values())
+    assert list(methods) == [f"engine-no-prefix-cache:{name}" for name in engine_backends] + [
+        f"engine-no-prefix-cache:{name}@bfloat16" for name in engine_backends if name != "flex"
+    ]
+    assert all(result["same_tokens_as_first"] == 1.0 for result in float32_rows(kernels))
+    assert len({result["output_tokens"] for result in methods.values()}) == 1
     assert all(set(row["ms"]) == set(backends) for row in kernels["decode_attention"])
     assert all(ms > 0 for row in kernels["decode_attention"] for ms in row["ms"].values())
     assert set(kernels["prefill_attention"]["ms"]) == set(backends)
@@ -203,6 +291,7 @@ def test_parallel_projection_divides_compute_and_adds_communication(records):
 def test_speculative_decoding_keeps_greedy_tokens(records):
     speculative = records["08-speculative-decoding"]
     batch1 = speculative["batch1"]
+    # bfloat16 engines (plain@bfloat16 and ngram k=3@bfloat16) run in a full run only.
     assert {(row["workload"], row["method"]) for row in batch1} == {
         (workload, method)
         for workload in ("copying", "free writing")
@@ -225,7 +314,8 @@ def test_speculative_decoding_keeps_greedy_tokens(records):
         steps > 0 for key, steps in speculative["verification_steps"].items() if "layer" in key
     )
     for key, shares in acceptance.items():
-        assert len(shares) == int(key.split("/")[0].split("k=")[1]), key
+        setting = key.split("/")[0].partition("@")[0]  # "ngram k=3", "layer skip 80% k=3"
+        assert len(shares) == int(setting.split("k=")[1]), key
         assert all(0 <= share <= 1 for share in shares), key
         # A draft is kept only after every earlier one was.
         assert all(later <= earlier for earlier, later in zip(shares, shares[1:])), key
@@ -239,13 +329,10 @@ def test_speculative_decoding_keeps_greedy_tokens(records):
 
 
 def test_sampler_cost_has_every_setting_at_every_batch(records):
-    script = load_script()
     record = records["01b-sampler-cost"]
     measured = {(row["setting"], row["rows"]) for row in record["sampler_ms"]}
     assert measured == {
-        (setting, rows)
-        for setting in script.SAMPLER_SETTINGS
-        for rows in script.QUICK_SIZES.sampler_batches
+        (setting, rows) for setting in SAMPLER_SETTINGS for rows in QUICK_SIZES.sampler_batches
     }
     assert all(row["ms"] > 0 for row in record["sampler_ms"])
     assert record["vocab_size"] > 0
@@ -253,7 +340,7 @@ def test_sampler_cost_has_every_setting_at_every_batch(records):
 
 def test_structured_outputs_time_both_modes_on_the_same_requests(records):
     record = records["10-structured-outputs"]
-    free, constrained = record["rows"]
+    free, constrained = record["rows"]  # bfloat16's rows: a full run only
     assert (free["mode"], constrained["mode"]) == ("free", "json schema")
     assert free["requests"] == constrained["requests"] > 0
     for row in (free, constrained):
@@ -280,32 +367,53 @@ def test_compiled_step_gives_the_eager_tokens(records):
     assert record["batch1"][0]["num_requests"] == 1
 
 
-def test_a_failing_chapter_is_recorded_and_the_others_still_run(tmp_path, monkeypatch):
-    script = load_script()
+def test_a_failing_chapter_or_smoke_branch_is_recorded_and_the_others_still_run(
+    tmp_path, monkeypatch
+):
+    """A smoke branch that raises is recorded as "error: ..." among the others, and fails the
+    smoke; a chapter that raises writes NN.error.json; the chapters after both still run."""
 
-    def broken(run):
+    def broken_chapter(run):
         raise RuntimeError("a kernel that does not launch")
 
-    monkeypatch.setitem(script.CHAPTERS, "04", broken)
-    with pytest.raises(SystemExit, match=r"\['04'\] failed"):
-        script.main(["--quick", "--chapters", "00,04,03", "--out", str(tmp_path)])
+    def broken_branch(_smoke):
+        raise ValueError("no such device")
+
+    def skipped_branch(_smoke):
+        raise smoke.Skipped("needs 8 GPUs")
+
+    branches = {"works": lambda _smoke: {"checked": 1}, "breaks": broken_branch}
+    monkeypatch.setattr(smoke, "BRANCHES", branches | {"skips": skipped_branch})
+    monkeypatch.setitem(main.CHAPTERS, "04", broken_chapter)
+    with pytest.raises(SystemExit, match=r"\['smoke', '04'\] failed"):
+        main.main(["--quick", "--chapters", "smoke,04,00", "--out", str(tmp_path)])
     (out_dir,) = [path for path in tmp_path.iterdir() if path.is_dir()]
+    record = json.loads((out_dir / "smoke.json").read_text())
+    assert record["branches"] == {
+        "works": "ok",
+        "breaks": "error: ValueError: no such device",
+        "skips": "skipped: needs 8 GPUs",
+    }
+    assert record["details"] == {"works": {"checked": 1}}
+    assert (
+        set(record["tracebacks"]) == {"breaks"}
+        and "broken_branch" in record["tracebacks"]["breaks"]
+    )
     error = json.loads((out_dir / "04.error.json").read_text())
     assert error["chapter"] == 4 and "a kernel that does not launch" in error["error"]
     assert "RuntimeError" in error["traceback"]
-    for stem in ("00-logits", "03-memory-waste"):  # before and after the failure
-        assert (out_dir / f"{stem}.json").exists() and (out_dir / f"{stem}.png").exists()
+    assert (out_dir / "00-logits.json").exists() and (out_dir / "00-logits.png").exists()
     assert not list(out_dir.glob("04-*"))
 
 
 def test_unknown_chapters_are_refused_by_name():
     with pytest.raises(SystemExit, match="no chapter"):
-        load_script().main(["--quick", "--chapters", "12"])
+        main.main(["--quick", "--chapters", "12"])
 
 
 def test_all_reduce_ranks_of_the_nccl_measurement_run_on_gloo():
     """The NCCL measurement runs only with 2+ GPUs; its ranks' code runs here over gloo."""
-    rows = load_script().all_reduce_between_processes("gloo", [256, 4096], repeats=3)
+    rows = all_reduce_between_processes("gloo", [256, 4096], repeats=3)
     assert [row["bytes"] for row in rows] == [1024, 16384]
     assert all(row["seconds"] > 0 for row in rows)
 
@@ -313,5 +421,5 @@ def test_all_reduce_ranks_of_the_nccl_measurement_run_on_gloo():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
 def test_a_full_run_refuses_to_start_on_a_cpu(tmp_path):
     with pytest.raises(SystemExit, match="CUDA"):
-        load_script().main(["--out", str(tmp_path)])
+        main.main(["--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())

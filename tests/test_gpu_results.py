@@ -1,7 +1,7 @@
 """The notebooks' GPU sections: `load_gpu_results` finds the records `make gpu-bench` writes,
-leaves out quick runs, and finds nothing where nothing was measured; the throughput plot is
-drawn with labelled axes. The records here are fakes written by `write_json`, as the script
-writes them."""
+leaves out quick runs, and finds nothing where nothing was measured; the throughput and latency
+plots are drawn with labelled axes. The records here are fakes written by `write_json`, as the
+GPU bench writes them."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from minivllm.bench.benchmark import MethodResult, write_json
 from minivllm.bench.gpu_results import (
     load_gpu_results,
     plot_gpu_throughput,
+    plot_latency_against_throughput,
     plot_throughput,
     record_title,
 )
@@ -47,7 +48,7 @@ RESULTS = [
 
 
 def write_record(root: Path, device: str, stem: str, quick: bool) -> Path:
-    """A record as gpu_bench.py's `save` writes it: write_json's and the common extra keys."""
+    """A record as the GPU bench's `save` writes it: write_json's and the common extra keys."""
     path = root / device / f"{stem}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(
@@ -118,4 +119,26 @@ def test_results_measured_here_draw_on_a_given_axis():
     assert plot_throughput(RESULTS, "this machine", ax=here) is figure
     assert here.get_title() == "this machine" and here.get_xlabel() == "output tokens per second"
     assert not gpu.patches  # the other axis is left alone
+    plt.close(figure)
+
+
+def serving_rate(rate: float, throughput: float, ttft_p50: float) -> dict:
+    """One request rate of a chapter 09 record, as `ServeBenchResult.as_dict()` gives it."""
+    latencies = {"p50": ttft_p50, "p90": 2 * ttft_p50, "p99": 3 * ttft_p50}
+    return dict(request_rate=rate, output_throughput=throughput, ttft_ms=latencies)
+
+
+def test_the_latency_plot_draws_p50_and_p99_against_throughput_with_labelled_axes():
+    rates = [serving_rate(4.0, 100.0, 20.0), serving_rate(float("inf"), 300.0, 200.0)]
+    figure, ax = plt.subplots()
+
+    plot_latency_against_throughput(ax, rates, "ttft_ms", "a GPU")
+
+    p50, p99 = ax.lines
+    assert list(p50.get_xdata()) == list(p99.get_xdata()) == [100.0, 300.0]
+    assert list(p50.get_ydata()) == [20.0, 200.0] and list(p99.get_ydata()) == [60.0, 600.0]
+    assert p50.get_label() == "a GPU" and p50.get_color() == p99.get_color()
+    assert ax.get_xlabel() == "output throughput achieved (tokens/s)"
+    assert ax.get_ylabel().startswith("TTFT (ms)")
+    assert [text.get_text() for text in ax.texts] == ["4/s", "all at once"]
     plt.close(figure)

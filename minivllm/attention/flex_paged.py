@@ -29,6 +29,7 @@ import functools
 import logging
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,12 @@ logger = logging.getLogger(__name__)
 # Query rows per block-mask tile of a prefill chunk: the causal rule skips whole key blocks
 # per tile, so smaller tiles skip more; larger tiles cost less bookkeeping.
 PREFILL_QUERY_TILE = 64
+
+# The fewest query rows in a tile. On a GPU, inductor's Triton kernels compute a tile with
+# tensor-core products, whose sides are at least 16, and refuse a block mask whose tiles their
+# own tile does not divide: a decode tile of 3 rows (one token, 3 query heads per K/V head)
+# would fail at the first decode. The CPU kernel takes any tile; the same rule runs there.
+SMALLEST_QUERY_TILE = 16
 
 
 # Dynamo compiles once per shape it meets (PyTorch 2.13's CPU code generator fails on dynamic
@@ -87,22 +94,104 @@ def slot_blocks_and_offsets(
 
 
 def paged_causal_mask(
-    physical_to_logical: torch.Tensor, context_lens: torch.Tensor, block_size: int, group: int
+    physical_to_logical: torch.Tensor,
+    step_rows: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+    group: int,
 ):
-    """The mask_mod: key slot `kv_idx` of the pool is visible to query row `q_idx` of sequence
-    `b` (query token q_idx // group) when its block belongs to `b` and its position is not
-    after the query's."""
-    num_slots = physical_to_logical.shape[1] * block_size
+    """The mask_mod: key slot `kv_idx` of the pool is visible to query row `q_idx` of the
+    call's sequence `b` (query token q_idx // group) when its block belongs to that sequence
+    and its position is not after the query's. `step_rows[b]` is the sequence's row in
+    `physical_to_logical`, the step's table of block owners (`block_owners`)."""
+    num_slots = (physical_to_logical.shape[1] - 1) * block_size  # its last column is a spare
     slot_block, slot_offset = slot_blocks_and_offsets(
         num_slots, block_size, physical_to_logical.device
     )
 
     def mask_mod(b, h, q_idx, kv_idx):
-        logical_block = physical_to_logical[b, slot_block[kv_idx]]
+        logical_block = physical_to_logical[step_rows[b], slot_block[kv_idx]]
         position = logical_block * block_size + slot_offset[kv_idx]
         return (logical_block >= 0) & (position <= context_lens[b] + q_idx // group)
 
     return mask_mod
+
+
+def owned_blocks(
+    metadata: AttentionMetadata, num_pool_blocks: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each sequence's blocks go in the table of block owners, and what goes there: the
+    columns (its physical blocks; table entries past its last block go to the spare column
+    `num_pool_blocks`) and the values (logical block indices; -1 in the spare column). Built on
+    the device from the step's block tables, with no boolean indexing (which would wait for
+    the device)."""
+    tables = metadata.block_tables
+    num_seqs, width = tables.shape
+    num_blocks = (metadata.seq_lens + block_size - 1) // block_size
+    logical = torch.arange(width, device=tables.device)[None, :].expand(num_seqs, width)
+    owned = logical < num_blocks[:, None]
+    columns = torch.where(owned, tables, num_pool_blocks)
+    return columns, torch.where(owned, logical, -1).to(torch.int32)
+
+
+def block_owners(
+    metadata: AttentionMetadata, num_pool_blocks: int, block_size: int
+) -> torch.Tensor:
+    """The step's table of block owners, made afresh: row s, column b is the logical index of
+    pool block b in the step's sequence s, or -1 (one spare column at the end). The backend
+    keeps one on the device instead (`BlockOwnerTable`); this is the same table, for one step."""
+    columns, logical = owned_blocks(metadata, num_pool_blocks, block_size)
+    table = torch.full(
+        (metadata.num_seqs, num_pool_blocks + 1), -1, dtype=torch.int32, device=columns.device
+    )
+    return table.scatter_(1, columns, logical)
+
+
+class BlockOwnerTable:
+    """The table of block owners of one pool, kept on the device from step to step.
+
+    It is as wide as the pool (the mask_mod looks up any slot's block): on a GPU, hundreds of
+    thousands of columns per sequence. Made afresh it would be allocated and filled with -1
+    every step; this one is filled once, and each step first erases the entries the step before
+    wrote, then writes its own: work in proportion to the block tables, not to the pool. Its
+    shape never changes (rows for `max_num_seqs` sequences), so the compiled kernel that reads
+    it is the same from step to step."""
+
+    def __init__(self, num_pool_blocks: int, max_num_seqs: int, device: torch.device):
+        self.num_pool_blocks = num_pool_blocks
+        self.table = torch.full(
+            (max_num_seqs, num_pool_blocks + 1), -1, dtype=torch.int32, device=device
+        )
+        self.written: torch.Tensor | None = None  # the columns the last step wrote, per row
+
+    def update(self, metadata: AttentionMetadata, block_size: int) -> torch.Tensor:
+        """The table for this step's batch (rows 0..num_seqs-1; the rest all -1)."""
+        if metadata.num_seqs > self.table.shape[0]:
+            raise ValueError(
+                f"a step of {metadata.num_seqs} sequences, but the flex backend's table of "
+                f"block owners has rows for {self.table.shape[0]} (max_num_seqs)"
+            )
+        if self.written is not None:
+            self.table[: len(self.written)].scatter_(1, self.written, -1)
+        columns, logical = owned_blocks(metadata, self.num_pool_blocks, block_size)
+        self.table[: metadata.num_seqs].scatter_(1, columns, logical)
+        self.written = columns
+        return self.table
+
+
+# Each pool's table of block owners, made at warm-up; it goes when its pool does.
+_owner_tables: weakref.WeakKeyDictionary[PagedKVCache, BlockOwnerTable] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def kernel_options(query_tile: int, block_size: int, device: torch.device) -> dict[str, int]:
+    """The tile sizes of inductor's GPU kernel, chosen from the block mask: its tile must
+    divide the block mask's (it refuses the call otherwise), and its own defaults (128 or 64
+    rows, 64 keys) do not divide a 16-token KV block. The CPU kernel picks its own."""
+    if device.type != "cuda":
+        return {}
+    return {"BLOCK_M": query_tile, "BLOCK_N": block_size}
 
 
 @dataclass
@@ -112,6 +201,7 @@ class FlexCall:
     rows: torch.Tensor  # [seqs, longest] flat-batch row of each query (padding repeats row 0)
     valid: torch.Tensor  # [seqs, longest] which entries are real queries
     block_mask: BlockMask
+    kernel_options: dict[str, int]  # inductor's tile sizes on a GPU (`kernel_options`)
 
 
 def build_call(
@@ -120,21 +210,26 @@ def build_call(
     num_pool_blocks: int,
     block_size: int,
     group: int,
+    physical_to_logical: torch.Tensor | None = None,
 ) -> FlexCall:
     """Rows, block mask and mask_mod of the sequences `seqs` (indices into the step's batch).
 
     Grouped-query attention is folded into the query rows, as chapter 03's decode does: the
     `group` query heads that share a K/V head become `group` rows of that one head, so the
     kernel reads each K/V block once for all of them. Row r is query token r // group.
+    `physical_to_logical` is the step's table of block owners (made here when not given).
     """
     device = metadata.seq_lens.device
+    if physical_to_logical is None:
+        physical_to_logical = block_owners(metadata, num_pool_blocks, block_size)
     # Padding sequences have no query and no block: the kernel skips them.
     padding = bucket(len(seqs)) - len(seqs)
     query_lens = [metadata.query_lens_list[i] for i in seqs] + [0] * padding
     seq_lens = [metadata.seq_lens_list[i] for i in seqs] + [0] * padding
     longest_query = 1 if max(query_lens) == 1 else bucket(max(query_lens), smallest=16)
     num_rows = longest_query * group
-    query_tile = num_rows if longest_query == 1 else PREFILL_QUERY_TILE
+    # A decode call is one tile (its few rows padded up to the smallest tile).
+    query_tile = bucket(num_rows, SMALLEST_QUERY_TILE) if longest_query == 1 else PREFILL_QUERY_TILE
     num_query_tiles = cdiv(num_rows, query_tile)
     starts = query_starts(metadata.query_lens_list)
 
@@ -147,27 +242,17 @@ def build_call(
     # Each sequence's block-mask row: its block table (the rest of the pool never appears).
     # Built on the device from the step's block tables: a GPU pool has hundreds of thousands
     # of blocks, and a pool-wide tensor made on the CPU and copied over every step would cost
-    # more than the step. Block b of the pool is logical block physical_to_logical[s, b] of
-    # sequence s, or -1; one spare column takes the scatter of the padding entries (no
-    # boolean indexing, which would wait for the device).
+    # more than the step.
     num_seqs = len(query_lens)
-    num_blocks = torch.tensor([cdiv(n, block_size) for n in seq_lens], device=device)
     tables = metadata.block_tables[seqs]
     tables = torch.cat([tables, tables.new_zeros(padding, tables.shape[1])])
     width = tables.shape[1]
-    logical = torch.arange(width, device=device)[None, :].expand(num_seqs, width)
-    owned = logical < num_blocks[:, None]
-    physical_to_logical = torch.full(
-        (num_seqs, num_pool_blocks + 1), -1, dtype=torch.int32, device=device
-    )
-    physical_to_logical.scatter_(
-        1,
-        torch.where(owned, tables, num_pool_blocks),
-        torch.where(owned, logical, -1).to(torch.int32),
-    )
-    # flex's kernels want the lists as wide as the pool (zeros past the table: never visited).
+    # The GPU kernel reads each list up to its length only, so a list is as wide as the widest
+    # block table. PyTorch 2.13's CPU kernel wants the lists as wide as the pool ("KV seqlen
+    # must be smaller than the block_mask size"): zeros past the table, never visited.
+    num_columns = num_pool_blocks if device.type == "cpu" else width
     kv_indices = torch.zeros(
-        (num_seqs, 1, num_query_tiles, num_pool_blocks), dtype=torch.int32, device=device
+        (num_seqs, 1, num_query_tiles, num_columns), dtype=torch.int32, device=device
     )
     kv_indices[:, 0, :, :width] = tables[:, None, :].to(torch.int32)
 
@@ -179,7 +264,10 @@ def build_call(
     blocks_seen = (context_lens[:, None] + last_token) // block_size + 1
     kv_num_blocks = torch.where(tiles * query_tile < real_rows, blocks_seen, 0).int()[:, None]
 
-    mask_mod = paged_causal_mask(physical_to_logical, context_lens.to(device), block_size, group)
+    step_rows = torch.tensor(seqs + [0] * padding, device=device)  # padding: never looked up
+    mask_mod = paged_causal_mask(
+        physical_to_logical, step_rows, context_lens.to(device), block_size, group
+    )
     # Every listed block goes through the mask_mod ("partial" blocks); the "full" lists, for
     # blocks that need no mask, stay empty but are passed (PyTorch 2.13's CPU kernel expects
     # them in some shapes).
@@ -193,7 +281,12 @@ def build_call(
         mask_mod=mask_mod,
         seq_lengths=(num_rows, num_pool_blocks * block_size),
     )
-    return FlexCall(rows=rows.to(device), valid=valid.to(device), block_mask=block_mask)
+    return FlexCall(
+        rows=rows.to(device),
+        valid=valid.to(device),
+        block_mask=block_mask,
+        kernel_options=kernel_options(query_tile, block_size, device),
+    )
 
 
 class FlexPagedAttention(PagedAttentionBackend):
@@ -216,11 +309,14 @@ class FlexPagedAttention(PagedAttentionBackend):
     def warm_up(
         cls, kv_cache: PagedKVCache, num_heads: int, max_num_seqs: int, max_num_tokens: int
     ) -> None:
-        """Compile the kernel for every bucket a step can use: decode batches of 1, 2, 4, ...
-        up to max_num_seqs sequences, prefill chunks of 16, 32, ... up to max_num_tokens."""
+        """Make the pool's table of block owners, and compile the kernel for every bucket a
+        step can use: decode batches of 1, 2, 4, ... up to max_num_seqs sequences, prefill
+        chunks of 16, 32, ... up to max_num_tokens."""
         start = time.perf_counter()
         layer = kv_cache.layers[0]
         num_kv_heads, head_dim, block_size = layer.shape[3], layer.shape[4], kv_cache.block_size
+        check_block_size(block_size, layer.device)
+        _owner_tables[kv_cache] = BlockOwnerTable(kv_cache.num_blocks, max_num_seqs, layer.device)
         capacity = kv_cache.num_blocks * block_size
         shapes = [(n, 1) for n in _powers_of_two_up_to(max_num_seqs)]
         shapes += [(1, n) for n in _powers_of_two_up_to(min(max_num_tokens, capacity), 16)]
@@ -254,8 +350,13 @@ class FlexPagedAttention(PagedAttentionBackend):
         decodes = [i for i, n in enumerate(query_lens) if n == 1]
         prefills = [[i] for i, n in enumerate(query_lens) if n > 1]  # one call each
         pool = self.kv_cache
+        # A pool that was never warmed up (a one-off forward) gets a table for this step.
+        owners = _owner_tables.get(pool)
+        physical_to_logical = owners.update(self.metadata, pool.block_size) if owners else None
         return [
-            build_call(self.metadata, seqs, pool.num_blocks, pool.block_size, group)
+            build_call(
+                self.metadata, seqs, pool.num_blocks, pool.block_size, group, physical_to_logical
+            )
             for seqs in ([decodes] if decodes else []) + prefills
         ]
 
@@ -281,13 +382,25 @@ def flex_paged_attention(q: torch.Tensor, kv: torch.Tensor, calls: list[FlexCall
         # head is query token r // group, query head r % group of those sharing it.
         queries = q[call.rows].view(num_seqs, longest, num_kv_heads, group, head_dim)
         queries = queries.permute(0, 2, 1, 3, 4).reshape(num_seqs, num_kv_heads, -1, head_dim)
-        result = flex(queries, keys, values, block_mask=call.block_mask)
+        result = flex(
+            queries, keys, values, block_mask=call.block_mask, kernel_options=call.kernel_options
+        )
         result = result.view(num_seqs, num_kv_heads, longest, group, head_dim).permute(
             0, 2, 1, 3, 4
         )
         result = result.reshape(num_seqs, longest, -1, head_dim)
         out[call.rows[call.valid]] = result[call.valid]
     return out
+
+
+def check_block_size(block_size: int, device: torch.device) -> None:
+    """On a GPU a KV block is one tile of keys of inductor's kernel (`kernel_options`): a
+    power of two, at least 16 (a tensor-core product's side)."""
+    if device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
+        raise ValueError(
+            f"attention_backend='flex' on a GPU needs block_size a power of two, at least 16 "
+            f"(a KV block is one tile of its kernel), got {block_size}"
+        )
 
 
 @functools.cache

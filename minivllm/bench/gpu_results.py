@@ -1,22 +1,23 @@
 """The GPU track of every chapter: find the records `make gpu-bench` wrote, and draw them.
 
 The notebooks measure on the machine they run on; the committed outputs come from a 2-core CPU.
-scripts/gpu_bench.py measures what each chapter measures on a CUDA GPU and writes
-figures/gpu/<device>/NN-name.json per chapter (`write_json`'s record plus "chapter", "model",
-"dtype", "quick", "seconds" and the chapter's own numbers). Each notebook ends with a section
-"On a GPU" that loads its chapter's records with `load_gpu_results` and plots them next to its
-own numbers, or says plainly that the chapter was not measured on a GPU yet. A reader without a
-GPU thus sees the chapter's measurement on the kind of machine vLLM is built for, next to the
-CPU's, as soon as someone has run the script on one, and no notebook has to know where the
-files are or how many devices there are.
+`make gpu-bench` (the package minivllm.bench.gpu) measures what each chapter measures on a CUDA
+GPU and writes figures/gpu/<device>/NN-name.json per chapter (`write_json`'s record plus
+"chapter", "model", "dtype", "quick", "seconds" and the chapter's own numbers). Each notebook
+ends with a section "On a GPU" that loads its chapter's records with `load_gpu_results` and
+plots them next to its own numbers, or says plainly that the chapter was not measured on a GPU
+yet. A reader without a GPU thus sees the chapter's measurement on the kind of machine vLLM is
+built for, next to the CPU's, as soon as someone has run the bench on one, and no notebook has
+to know where the files are or how many devices there are.
 
-Quick-mode records (`gpu_bench.py --quick`: a tiny random model, tiny sizes) check the
-script's plumbing and measure nothing, so they are skipped.
+Quick-mode records (`python -m minivllm.bench.gpu --quick`: a tiny random model, tiny sizes)
+check the measurements' plumbing and measure nothing, so they are skipped.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,8 +30,8 @@ from minivllm.bench.benchmark import MethodResult
 # figures/gpu of the repository this package sits in (an editable install, as `make setup`).
 GPU_RESULTS_DIR = Path(__file__).resolve().parents[2] / "figures" / "gpu"
 
-# Bar colours by method name prefix, as in the notebooks and gpu_bench's figures: transformers,
-# chapter 01's loop, chapter 02's cache and static batches, our engine.
+# Bar colours by method name prefix, as in the notebooks and the GPU bench's figures:
+# transformers, chapter 01's loop, chapter 02's cache and static batches, our engine.
 METHOD_COLORS = {
     "hf": "tab:orange",
     "naive": "tab:gray",
@@ -121,3 +122,38 @@ def plot_gpu_throughput(
     """The common case: a GPU record's methods as output-tokens/s bars, titled with the record's
     device, model, dtype and workload. Returns the figure."""
     return plot_throughput(record["results"], record_title(record), ax=ax, baseline=baseline)
+
+
+# Chapter 09's latencies, by their key in a request rate's record: what each measures (a panel's
+# title; its axis says "TTFT (ms)").
+SERVING_LATENCIES = {
+    "ttft_ms": "time to first token",
+    "tpot_ms": "time per output token after the first",
+    "itl_ms": "inter-token latency",
+}
+
+
+def plot_latency_against_throughput(ax: Axes, rates: list[dict], latency: str, label: str) -> None:
+    """A server's `latency` ("ttft_ms", "tpot_ms" or "itl_ms") at each offered request rate
+    against the output throughput it achieved there: p50 solid, p99 dashed in the same colour,
+    each p50 point named by its offered rate. `rates` are chapter 09's records, one per rate (a
+    GPU record's "rates", or `ServeBenchResult.as_dict()` of a run here); one call per server,
+    `label` naming it, several on the same axis."""
+    throughput = [rate["output_throughput"] for rate in rates]
+    (line,) = ax.plot(throughput, [rate[latency]["p50"] for rate in rates], "o-", label=label)
+    ax.plot(
+        throughput,
+        [rate[latency]["p99"] for rate in rates],
+        "s--",
+        color=line.get_color(),
+        alpha=0.6,
+    )
+    for x, rate in zip(throughput, rates):
+        offered = rate["request_rate"]
+        name = "all at once" if math.isinf(offered) else f"{offered:g}/s"
+        point = (x, rate[latency]["p50"])
+        ax.annotate(name, point, xytext=(3, 3), textcoords="offset points", fontsize=7)
+    ax.set_xlabel("output throughput achieved (tokens/s)")
+    short = latency.removesuffix("_ms").upper()  # "TTFT": the long name is the panel's title
+    ax.set_ylabel(f"{short} (ms), p50 solid, p99 dashed")
+    ax.grid(alpha=0.3)

@@ -79,11 +79,15 @@ class ServeBenchResult:
     request_rate: float  # requests per second offered (inf: all at once)
     num_sent: int
     num_completed: int
+    num_failed: int  # sent, not completed: an error, or still running when time was up
     duration_s: float
     request_throughput: float  # completed requests per second
     output_throughput: float  # generated tokens per second
-    ttft_ms: dict[str, float]
-    itl_ms: dict[str, float]
+    ttft_ms: dict[str, float]  # time to first token, per request
+    # Time per output token after the first, one value per request (vLLM's definition):
+    # (E2E - TTFT) / (output tokens - 1), for requests of more than one token.
+    tpot_ms: dict[str, float]
+    itl_ms: dict[str, float]  # inter-token latency: every gap between two chunks
     e2e_ms: dict[str, float]
     errors: list[str] = field(default_factory=list)
 
@@ -174,14 +178,21 @@ def summarize(
     latencies = {id(r): stream_latencies(r.events) for r in records if r.ok}
     completed = [r for r in records if r.ok and not math.isnan(latencies[id(r)][0])]
     output_tokens = sum(r.output_tokens for r in completed)
+    tpots = [
+        (r.end_s - latencies[id(r)][0]) / (r.output_tokens - 1)
+        for r in completed
+        if r.output_tokens > 1
+    ]
     return ServeBenchResult(
         request_rate=request_rate,
         num_sent=num_sent,
         num_completed=len(completed),
+        num_failed=num_sent - len(completed),
         duration_s=duration_s,
         request_throughput=len(completed) / duration_s,
         output_throughput=output_tokens / duration_s,
         ttft_ms=percentiles_ms([latencies[id(r)][0] for r in completed]),
+        tpot_ms=percentiles_ms(tpots),
         itl_ms=percentiles_ms([gap for r in completed for gap in latencies[id(r)][1]]),
         e2e_ms=percentiles_ms([r.end_s for r in completed]),
         errors=[r.error for r in records if r.error is not None],
@@ -282,7 +293,9 @@ def format_results(results: list[ServeBenchResult]) -> str:
     header = (
         f"{'rate/s':>7} {'done':>9} {'req/s':>7} {'tok/s':>8} "
         + " ".join(
-            f"{name + ' ' + p:>10}" for name in ("TTFT", "ITL", "E2E") for p in PERCENTILE_NAMES
+            f"{name + ' ' + p:>10}"
+            for name in ("TTFT", "TPOT", "ITL", "E2E")
+            for p in PERCENTILE_NAMES
         )
         + "   (ms)"
     )
@@ -290,7 +303,7 @@ def format_results(results: list[ServeBenchResult]) -> str:
     for r in results:
         latencies = " ".join(
             f"{getattr(r, name)[p]:>10.1f}"
-            for name in ("ttft_ms", "itl_ms", "e2e_ms")
+            for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
             for p in PERCENTILE_NAMES
         )
         rows.append(

@@ -1,0 +1,64 @@
+"""Chapter 01 (notebooks/01-naive-generation.ipynb) on a GPU: the cost of generating without
+a KV cache.
+
+One no-cache step (a forward pass over the whole sequence, for one new token) against the
+sequence length, then the no-cache loop against transformers' `generate` (which keeps a KV
+cache) on whole requests.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from random import Random
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minivllm.baselines.naive import CausalAttention
+from minivllm.bench.benchmark import best_time
+from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.workloads import chat_prompt_of_length, throughput_workload
+
+
+def measure_naive_cost(run: Run) -> Chapter:
+    """One no-cache step against the sequence length, then the no-cache loop against
+    transformers' `generate` (which keeps a KV cache) on whole requests.
+
+    JSON: step_lengths (tokens), step_seconds (the fastest of `repeats` forward passes over that
+    many tokens, logits of the last one), and results: "hf", then "naive".
+    """
+    lengths = list(run.sizes.step_lengths)
+    long_prompt = chat_prompt_of_length(run.tokenizer, max(lengths), Random(0))
+
+    @torch.inference_mode()
+    def one_step(length: int) -> torch.Tensor:
+        ids = torch.tensor(long_prompt[:length], device=run.device)
+        positions = torch.arange(length, device=run.device)
+        hidden = run.model(ids, positions, CausalAttention([0, length]))
+        return run.model.compute_logits(hidden[-1:])
+
+    step_seconds = [best_time(partial(one_step, n), run.device, run.sizes.repeats) for n in lengths]
+    workload = throughput_workload(
+        run.tokenizer, run.sizes.naive_requests, (20, 300), run.sizes.naive_output
+    )
+    results = run.benchmark(run.context(), workload, ["hf", "naive"])
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    ax1.plot(lengths, np.array(step_seconds) * 1e3, "o-")
+    ax1.set_xlabel("sequence length L (tokens)")
+    ax1.set_ylabel("time of one no-cache step (ms)")
+    ax1.set_ylim(bottom=0)
+    ax1.set_title("a forward pass over the whole sequence, per new token")
+    ax1.grid(alpha=0.3)
+    plot_throughput(results, "", ax=ax2, baseline="naive")
+    ax2.set_title("whole requests")
+    fig.suptitle(run.title("Cost of generation without a KV cache", workload), fontsize=10)
+    return Chapter(
+        "01-cost-vs-length",
+        workload,
+        fig,
+        results,
+        dict(step_lengths=lengths, step_seconds=step_seconds),
+    )

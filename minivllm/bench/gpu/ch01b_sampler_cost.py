@@ -1,0 +1,80 @@
+"""Chapter 01b (notebooks/01b-decoding.ipynb) on a GPU: what decoding choices add to a step.
+
+The sampler alone on random logits over the model's vocabulary, per setting (greedy,
+temperature, top-k, top-p, min-p, penalties, a seed) and rows in the batch.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import matplotlib.pyplot as plt
+import torch
+
+from minivllm.bench.benchmark import best_time
+from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.workloads import Workload
+from minivllm.sample.sampler import Sampler, SamplingRow, make_generator
+from minivllm.sample.sampling_params import SamplingParams
+
+SAMPLER_SETTINGS = {
+    "greedy": SamplingParams(temperature=0.0),
+    "temperature 0.8": SamplingParams(temperature=0.8),
+    "top-k 50": SamplingParams(temperature=0.8, top_k=50),
+    "top-p 0.9": SamplingParams(temperature=0.8, top_p=0.9),
+    "min-p 0.1": SamplingParams(temperature=0.8, min_p=0.1),
+    "penalties": SamplingParams(temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5),
+    "seeded": SamplingParams(temperature=0.8, seed=0),
+}
+
+
+def measure_sampler_cost(run: Run) -> Chapter:
+    """The sampler alone on random float32 logits over the model's vocabulary: milliseconds per
+    call for each decoding setting and number of rows, each row with 64 tokens of history.
+
+    JSON: results (empty); sampler_ms: [{"setting", "rows", "ms"}]; vocab_size.
+    """
+    vocab = run.model.config.vocab_size
+    history = list(range(64))
+    generator = torch.Generator(device=run.device).manual_seed(0)
+    sampler = Sampler(default_generator=generator)
+    rows_ms = []
+    for rows in run.sizes.sampler_batches:
+        logits = torch.randn(rows, vocab, device=run.device, generator=generator)
+        for setting, params in SAMPLER_SETTINGS.items():
+            sampling_rows = [
+                SamplingRow(params, history, history, make_generator(0) if params.seed else None)
+                for _ in range(rows)
+            ]
+            seconds = best_time(
+                partial(sampler, logits, sampling_rows), run.device, run.sizes.repeats
+            )
+            rows_ms.append(dict(setting=setting, rows=rows, ms=1e3 * seconds))
+    print("\n".join(f"{r['setting']:>16}, {r['rows']:>4} rows: {r['ms']:.3f} ms" for r in rows_ms))
+
+    fig, ax = plt.subplots(figsize=(10, 4), layout="constrained")
+    settings = list(SAMPLER_SETTINGS)
+    width = 0.8 / len(run.sizes.sampler_batches)
+    for i, rows in enumerate(run.sizes.sampler_batches):
+        ms = [
+            next(r["ms"] for r in rows_ms if r["setting"] == s and r["rows"] == rows)
+            for s in settings
+        ]
+        ax.bar([x + i * width for x in range(len(settings))], ms, width, label=f"{rows} rows")
+    ax.set_xticks(
+        [x + width * (len(run.sizes.sampler_batches) - 1) / 2 for x in range(len(settings))],
+        settings,
+    )
+    ax.set_ylabel("milliseconds per sampler call")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    workload = Workload(
+        "sampler-rows", [], [], f"random logits over {vocab} tokens, 64 tokens of history a row"
+    )
+    fig.suptitle(
+        run.title("The sampler's cost per step, by decoding setting", workload), fontsize=10
+    )
+    return Chapter(
+        "01b-sampler-cost", workload, fig, [], dict(sampler_ms=rows_ms, vocab_size=vocab)
+    )

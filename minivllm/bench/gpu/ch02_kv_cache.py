@@ -1,0 +1,102 @@
+"""Chapter 02 (notebooks/02-kv-cache.ipynb) on a GPU: the KV cache and static batching.
+
+Every method of chapters 01-02 side by side on whole requests (speedup over the no-cache
+loop), static batching in bfloat16 beside float32; one decode step against the rows in the
+batch; the memory a static batch reserves against what its requests need.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import torch
+
+from minivllm.baselines.kv_cache import generate_static_batch
+from minivllm.bench.benchmark import BenchmarkContext, greedy_requests
+from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run, decode_step_seconds
+from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.workloads import throughput_workload, varied_output_workload
+from minivllm.sample.sampler import Sampler
+
+
+def measure_kv_cache(run: Run) -> Chapter:
+    """Chapters 01-02's methods side by side; one decode step against the batch's rows; the KV
+    memory of one static batch of varied-length requests.
+
+    JSON: results ("hf", "naive", "kv-cache", "static", "static@bfloat16" and "hf-static", one
+    static batch of all requests; the bfloat16 row is for speed, its tokens may differ);
+    decode_rows, decode_step_seconds (the fastest of `repeats` decode steps with decode_context
+    cached tokens per row); kv_bytes_per_token {dtype: bytes}; static_batch
+    {workload, reserved_kv_bytes (rows x longest prompt + longest output), needed_kv_bytes (each
+    request's final length), decode_steps, computed_rows, useful_rows}.
+    """
+    sizes = run.sizes
+    workload = throughput_workload(
+        run.tokenizer, sizes.speedup_requests, (20, 300), sizes.speedup_output
+    )
+    ctx = run.context(batch_size=workload.num_requests)
+    methods = ["hf", "naive", "kv-cache", "static", "static@bfloat16", "hf-static"]
+    results = run.benchmark(ctx, workload, methods)
+    decode_seconds = [decode_step_seconds(run, rows) for rows in sizes.decode_rows]
+    static_batch = static_batch_memory(run, ctx)
+
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.4), layout="constrained")
+    plot_throughput(results, "", ax=ax1, baseline="naive")
+    ax1.set_title("whole requests, one static batch", fontsize=9)
+    rows = list(sizes.decode_rows)
+    ax2.plot(rows, [r / s for r, s in zip(rows, decode_seconds)], "o-", color="tab:green")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(rows, [str(r) for r in rows])
+    ax2.set_xlabel("rows in the decode batch")
+    ax2.set_ylabel("generated tokens per second")
+    ax2.set_ylim(bottom=0)
+    ax2.set_title(f"one decode step, {sizes.decode_context} cached tokens per row", fontsize=9)
+    ax2.grid(alpha=0.3)
+    reserved, needed = static_batch["reserved_kv_bytes"], static_batch["needed_kv_bytes"]
+    ax3.bar(
+        ["reserved\n(rows × longest)", "needed\n(each request's length)"],
+        [reserved / MiB, needed / MiB],
+        color=["tab:red", "tab:blue"],
+    )
+    ax3.set_ylabel("KV cache memory (MiB)")
+    useful = static_batch["useful_rows"] / static_batch["computed_rows"]
+    ax3.set_title(
+        f"one static batch of {static_batch['workload']}\n{needed / reserved:.0%} of the reserved"
+        f" memory needed, {useful:.0%} of the decode rows useful",
+        fontsize=9,
+    )
+    fig.suptitle(run.title("The KV cache and static batching", workload), fontsize=10)
+    per_token = {
+        str(d).removeprefix("torch."): run.model.config.kv_bytes_per_token(d)
+        for d in (torch.float32, torch.bfloat16)
+    }
+    return Chapter(
+        "02-kv-cache",
+        workload,
+        fig,
+        results,
+        dict(
+            decode_rows=rows,
+            decode_context=sizes.decode_context,
+            decode_step_seconds=decode_seconds,
+            kv_bytes_per_token=per_token,
+            static_batch=static_batch,
+        ),
+    )
+
+
+def static_batch_memory(run: Run, ctx: BenchmarkContext) -> dict:
+    """Run the varied-output workload as one static batch and compare the KV memory it reserves
+    with what its requests need at their final length."""
+    workload = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    stats = generate_static_batch(run.model, greedy_requests(ctx, workload), Sampler())
+    final_lengths = [len(p) + n for p, n in zip(workload.prompts, workload.output_lengths)]
+    return dict(
+        workload=workload.description,
+        reserved_kv_bytes=stats.reserved_kv_bytes,
+        needed_kv_bytes=sum(final_lengths) * run.model.config.kv_bytes_per_token(DTYPE),
+        decode_steps=stats.decode_steps,
+        computed_rows=stats.computed_rows,
+        useful_rows=stats.useful_rows,
+    )

@@ -1,0 +1,175 @@
+"""Chapter 03 (notebooks/03-paged-kv-blocks.ipynb) on a GPU: the KV memory paged blocks save.
+
+The engine run step by step: KV memory holding tokens, in paged blocks against a contiguous
+reservation per request (of its exact final length, or of the longest sequence allowed); then
+paged decode attention against the block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minivllm.attention.backend import AttentionMetadata, PagedKVCache
+from minivllm.attention.torch_paged import TorchPagedAttention
+from minivllm.bench.benchmark import best_time, workload_kv_cache_bytes
+from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run
+from minivllm.bench.workloads import Workload, varied_output_workload
+from minivllm.config import EngineConfig
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sample.sampling_params import SamplingParams
+from minivllm.utils import cdiv
+
+# What a contiguous cache reserves per request when it cannot know the final length: the
+# longest sequence allowed (the vLLM paper's 2048, or the model's context if shorter).
+MAX_RESERVATION = 2048
+BLOCK_SIZE = 16
+
+
+def measure_memory_waste(run: Run) -> Chapter:
+    """The engine (no prefix caching) runs the varied-output workload step by step; after each
+    step we count the tokens its running requests hold, the slots of the blocks they hold, and
+    what a contiguous cache would reserve for the same requests. Then paged decode attention
+    against the block size.
+
+    JSON: per_step {tokens_held, paged_slots, contiguous_final_slots (each request's final
+    length), contiguous_max_slots (max_reservation per request)}; token_share {scheme: tokens
+    held / slots reserved, summed over the steps}; kv_bytes_per_token; block_size;
+    max_reservation;
+    attention_block_sizes, attention_seconds (one decode-attention call of attention_seqs
+    sequences of attention_seq_len tokens, one layer), attention_seqs, attention_seq_len.
+    """
+    workload = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    max_reservation = min(MAX_RESERVATION, run.model.config.max_model_len)
+    per_step = trace_kv_memory(run, workload, max_reservation)
+    token_share = {
+        scheme: sum(per_step["tokens_held"]) / sum(per_step[f"{scheme}_slots"])
+        for scheme in ("paged", "contiguous_final", "contiguous_max")
+    }
+    print(
+        "share of reserved KV memory holding tokens:",
+        {k: f"{v:.1%}" for k, v in token_share.items()},
+    )
+    block_sizes = list(run.sizes.block_sizes)
+    attention_seconds = [paged_attention_seconds(run, size) for size in block_sizes]
+
+    per_token = run.model.config.kv_bytes_per_token(DTYPE)
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.4), layout="constrained")
+    steps = np.arange(1, len(per_step["tokens_held"]) + 1)
+    mib = {name: np.array(values) * per_token / MiB for name, values in per_step.items()}
+    ax1.fill_between(steps, mib["tokens_held"], step="post", alpha=0.5, label="holding tokens")
+    ax1.step(steps, mib["paged_slots"], where="post", label=f"paged, blocks of {BLOCK_SIZE}")
+    ax1.step(
+        steps, mib["contiguous_final_slots"], where="post", label="contiguous, exact final length"
+    )
+    ax1.set_xlabel("engine step")
+    ax1.set_ylabel("KV cache memory (MiB)")
+    ax1.set_title("memory held by the running requests", fontsize=9)
+    ax1.legend(fontsize=8)
+    ax1.grid(alpha=0.3)
+    labels = {
+        "contiguous_max": f"contiguous,\nmax length {max_reservation}",
+        "contiguous_final": "contiguous,\nexact final length",
+        "paged": f"paged,\nblocks of {BLOCK_SIZE}",
+    }
+    bars = ax2.barh(
+        [labels[k] for k in labels],
+        [100 * token_share[k] for k in labels],
+        color=["tab:red", "tab:orange", "tab:blue"],
+    )
+    ax2.bar_label(bars, [f" {token_share[k]:.1%}" for k in labels])
+    ax2.set_xlim(0, 100)
+    ax2.set_xlabel("reserved KV memory holding tokens (%)")
+    ax2.set_title("over the whole run", fontsize=9)
+    ax3.plot(block_sizes, np.array(attention_seconds) * 1e3, "o-", color="tab:green")
+    ax3.set_xscale("log", base=2)
+    ax3.set_xticks(block_sizes, [str(b) for b in block_sizes])
+    ax3.set_xlabel("block size (tokens)")
+    ax3.set_ylabel("time per call (ms)")
+    ax3.set_ylim(bottom=0)
+    ax3.set_title(
+        f"torch paged decode attention: {run.sizes.attention_seqs} seqs × "
+        f"{run.sizes.attention_seq_len} tokens, 1 layer",
+        fontsize=9,
+    )
+    ax3.grid(alpha=0.3)
+    fig.suptitle(run.title("KV memory: contiguous vs paged", workload), fontsize=10)
+    return Chapter(
+        "03-memory-waste",
+        workload,
+        fig,
+        measured=dict(
+            per_step=per_step,
+            token_share=token_share,
+            kv_bytes_per_token=per_token,
+            block_size=BLOCK_SIZE,
+            max_reservation=max_reservation,
+            attention_block_sizes=block_sizes,
+            attention_seconds=attention_seconds,
+            attention_seqs=run.sizes.attention_seqs,
+            attention_seq_len=run.sizes.attention_seq_len,
+        ),
+    )
+
+
+def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[str, list[int]]:
+    """Step an engine through the workload (all requests queued at once) and count, after each
+    step, the KV slots in use: tokens held, paged blocks, contiguous reservations (of each
+    request's final length, or of `max_reservation` tokens)."""
+    config = EngineConfig(
+        model=str(run.model_dir),
+        dtype=DTYPE,
+        device=run.device,
+        block_size=BLOCK_SIZE,
+        enable_prefix_caching=False,  # chapter 05's sharing off: one owner per block
+        kv_cache_memory_bytes=workload_kv_cache_bytes(
+            workload, run.model.config, DTYPE, BLOCK_SIZE
+        ),
+    )
+    engine = LLMEngine(config)
+    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lengths)):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    manager = engine.kv_cache_manager
+    per_step = {
+        name: []
+        for name in ("tokens_held", "paged_slots", "contiguous_final_slots", "contiguous_max_slots")
+    }
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = engine.scheduler.running
+        per_step["tokens_held"].append(sum(r.num_computed_tokens for r in running))
+        per_step["paged_slots"].append((manager.num_blocks - manager.num_free_blocks) * BLOCK_SIZE)
+        per_step["contiguous_final_slots"].append(
+            sum(len(r.prompt_token_ids) + r.max_tokens for r in running)
+        )
+        per_step["contiguous_max_slots"].append(len(running) * max_reservation)
+    return per_step
+
+
+@torch.inference_mode()
+def paged_attention_seconds(run: Run, block_size: int) -> float:
+    """One decode-attention call (one query per sequence) over a pool of `block_size` blocks,
+    each sequence's blocks scattered at random, one layer of the model's shapes."""
+    sizes, config = run.sizes, run.model.config
+    num_seqs, seq_len = sizes.attention_seqs, sizes.attention_seq_len
+    per_seq = cdiv(seq_len, block_size)
+    one_layer = replace(config, num_layers=1)
+    pool = PagedKVCache(one_layer, num_seqs * per_seq, block_size, DTYPE, run.device)
+    order = torch.randperm(num_seqs * per_seq, generator=torch.Generator().manual_seed(0)).tolist()
+    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(num_seqs)]
+    last_slots = [
+        t[(seq_len - 1) // block_size] * block_size + (seq_len - 1) % block_size for t in tables
+    ]
+    metadata = AttentionMetadata.build(
+        [1] * num_seqs, [seq_len] * num_seqs, tables, last_slots, device=run.device
+    )
+    attention = TorchPagedAttention(pool, metadata)
+    q = torch.randn(num_seqs, config.num_heads, config.head_dim, dtype=DTYPE, device=run.device)
+    k = torch.randn(num_seqs, config.num_kv_heads, config.head_dim, dtype=DTYPE, device=run.device)
+    return best_time(lambda: attention(0, q, k, k), run.device, sizes.repeats)

@@ -1,0 +1,44 @@
+"""Chapter 04 (notebooks/04-continuous-batching.ipynb) on a GPU: static against continuous
+batching.
+
+At equal seats, and against transformers' padded batches, on outputs of varied length; the
+engine in float32 and in bfloat16.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.workloads import varied_output_workload
+
+
+def measure_throughput(run: Run) -> Chapter:
+    """Static against continuous batching with the same number of seats, next to transformers'
+    padded batches, on requests whose outputs vary in length.
+
+    JSON: results ("hf-static:S", "static:S", "engine-no-prefix-cache",
+    "engine-no-prefix-cache@bfloat16", S = seats; the engines run at most S sequences at once);
+    seats.
+    """
+    seats = run.sizes.seats
+    workload = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    ctx = run.context(batch_size=seats, engine_args=dict(max_num_seqs=seats))
+    methods = [
+        f"hf-static:{seats}",
+        f"static:{seats}",
+        "engine-no-prefix-cache",
+        "engine-no-prefix-cache@bfloat16",
+    ]
+    results = run.benchmark(ctx, workload, methods)
+
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(results)), layout="constrained")
+    plot_throughput(results, "", ax=ax, baseline=f"static:{seats}")
+    fig.suptitle(
+        run.title(f"Static vs continuous batching, at most {seats} sequences at once", workload),
+        fontsize=10,
+    )
+    return Chapter("04-throughput", workload, fig, results, dict(seats=seats))

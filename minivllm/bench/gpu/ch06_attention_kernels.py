@@ -1,0 +1,139 @@
+"""Chapter 06 (notebooks/06-attention-kernels.ipynb) on a GPU: the attention backends.
+
+The torch reference, flex and Triton on decode steps over batch x context and on a prefill
+chunk; the Triton decode kernel's memory bandwidth against a device-to-device copy's; the engine
+on each backend, in float32 and in bfloat16.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import torch
+
+from minivllm.attention import triton_paged
+from minivllm.bench.attention import (
+    attention_step_seconds,
+    one_layer_pool,
+    random_decode_step,
+    random_step,
+    sweep_decode_attention,
+)
+from minivllm.bench.benchmark import best_time
+from minivllm.bench.gpu.common import DTYPE, Chapter, Run
+from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.workloads import varied_output_workload
+
+
+def measure_attention_kernels(run: Run) -> Chapter:
+    """The attention backends side by side: decode attention per step over batch x context, one
+    prefill chunk after as many cached tokens, the Triton decode kernel's memory bandwidth
+    against a device-to-device copy's, and the engine on each backend.
+
+    JSON: results (the engine on each backend, varied-output workload: methods
+    "engine-no-prefix-cache:NAME", then "engine-no-prefix-cache:NAME@bfloat16", for speed);
+    backends; decode_attention (a list of {batch, context, ms:
+    {backend: ms of one step's attention, all layers}}); prefill_attention {chunk, cached, ms:
+    {backend: ms}}; triton_decode_bandwidth ({batch, context, gb_per_s, copy_gb_per_s,
+    share_of_copy} on CUDA, null elsewhere: the interpreter's speed means nothing).
+    """
+    sizes, config = run.sizes, run.model.config
+    on_gpu = run.device.type == "cuda"
+    backends = ["torch", "flex"] + (["triton"] if on_gpu or triton_paged.interpreting() else [])
+    seconds = sweep_decode_attention(
+        config, backends, list(sizes.kernel_batches), list(sizes.kernel_contexts), DTYPE,
+        run.device, sizes.repeats,
+    )  # fmt: skip
+    decode_rows = [
+        dict(batch=b, context=c, ms={name: seconds[name][b, c] * 1e3 for name in backends})
+        for b in sizes.kernel_batches
+        for c in sizes.kernel_contexts
+    ]
+    chunk = sizes.prefill_chunk
+    pool = one_layer_pool(config, 1, 2 * chunk, 16, DTYPE, run.device)
+    prefill = random_step(config, pool, [chunk], [2 * chunk])
+    prefill_ms = {
+        name: attention_step_seconds(name, pool, prefill, config.num_layers, sizes.repeats) * 1e3
+        for name in backends
+    }
+    bandwidth = decode_bandwidth(run) if on_gpu else None
+
+    workload = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    # Triton's interpreter (a quick run without a GPU) runs the kernels above, too slowly for
+    # an engine's workload.
+    engine_backends = [name for name in backends if on_gpu or name != "triton"]
+    methods = [f"engine-no-prefix-cache:{name}" for name in engine_backends]
+    # bfloat16 beside float32 on each backend; a quick run leaves out flex's, whose kernels
+    # would compile once more for the other dtype (most of a quick run's time on a CPU).
+    methods += [
+        f"engine-no-prefix-cache:{name}@bfloat16"
+        for name in engine_backends
+        if not (run.quick and name == "flex")
+    ]
+    # A quick run keeps flex's shapes (compiled when an engine starts) few.
+    limits = dict(max_num_seqs=sizes.seats, max_num_batched_tokens=64) if run.quick else {}
+    results = run.benchmark(run.context(engine_args=limits), workload, methods)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5), layout="constrained")
+    for name in backends:
+        for b in sizes.kernel_batches:
+            left.plot(
+                sizes.kernel_contexts,
+                [seconds[name][b, c] * 1e3 for c in sizes.kernel_contexts],
+                "o-",
+                label=f"{name}, batch {b}",
+            )
+    left.set_xscale("log", base=2)
+    left.set_yscale("log")
+    left.set_xlabel("context per sequence (tokens)")
+    left.set_ylabel(f"attention per decode step, {config.num_layers} layers (ms)")
+    left.legend(fontsize=7, ncol=len(backends))
+    left.grid(alpha=0.3)
+    plot_throughput(results, "the engine on each backend", ax=right, baseline=methods[0])
+    fig.suptitle(run.title("Attention backends", workload), fontsize=10)
+    return Chapter(
+        "06-attention-kernels",
+        workload,
+        fig,
+        results,
+        dict(
+            backends=backends,
+            decode_attention=decode_rows,
+            prefill_attention=dict(chunk=chunk, cached=chunk, ms=prefill_ms),
+            triton_decode_bandwidth=bandwidth,
+        ),
+    )
+
+
+@torch.inference_mode()
+def decode_bandwidth(run: Run) -> dict:
+    """The Triton decode kernel alone at the grid's largest batch and context: K/V bytes read per
+    second, against a device-to-device copy of as many bytes (read once, written once)."""
+    sizes, config = run.sizes, run.model.config
+    batch, context = max(sizes.kernel_batches), max(sizes.kernel_contexts)
+    pool = one_layer_pool(config, batch, context, 16, DTYPE, run.device)
+    step = random_decode_step(config, pool, batch, context)
+    kv = pool.layers[0]
+    metadata = step.metadata
+    splits = triton_paged.choose_num_splits(batch, config.num_kv_heads, context, run.device)
+    kernel_s = best_time(
+        lambda: triton_paged.paged_decode_attention(
+            step.q, kv, metadata.block_tables, metadata.seq_lens, splits
+        ),
+        run.device,
+        sizes.repeats,
+    )
+    bytes_read = 2 * batch * context * config.num_kv_heads * config.head_dim * kv.element_size()
+    source = torch.empty(bytes_read, dtype=torch.uint8, device=run.device)
+    target = torch.empty_like(source)
+    copy_s = best_time(lambda: target.copy_(source), run.device, sizes.repeats)
+    gb_per_s, copy_gb_per_s = bytes_read / kernel_s / 1e9, 2 * bytes_read / copy_s / 1e9
+    return dict(
+        batch=batch,
+        context=context,
+        num_splits=splits,
+        gb_per_s=gb_per_s,
+        copy_gb_per_s=copy_gb_per_s,
+        share_of_copy=gb_per_s / copy_gb_per_s,
+    )

@@ -1,0 +1,343 @@
+"""Chapter 07 (notebooks/07-parallelism.ipynb) on a GPU: tensor and data parallelism.
+
+With 2+ GPUs, the engine alone against data parallel (DP=2) and tensor parallel (the smallest TP
+the model's heads and the GPUs allow: SmolLM2's 9 query / 3 KV heads need TP=3) on chapter 04's
+workload, and NCCL all-reduces between 2 GPUs; with one GPU, its decode step, matmul peak and
+memory bandwidth; on any device, the projected tensor-parallel decode step of this model and of
+a Llama-3-8B shape at TP = 1-8 over a spec-sheet NVLink ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minivllm.bench.benchmark import MethodResult, device_label, measure_matmul_peak
+from minivllm.bench.gpu.common import (
+    Chapter,
+    Run,
+    all_reduce_between_processes,
+    decode_step_seconds,
+    engine_tensor_parallel_size,
+    tensor_parallel_sizes,
+)
+from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.parallel import (
+    LLAMA3_8B,
+    Link,
+    RankPool,
+    fit_link,
+    measure_all_reduce,
+    projected_step,
+    ring_link,
+)
+from minivllm.bench.roofline import Machine, measure_memory_bandwidth
+from minivllm.bench.workloads import Workload, varied_output_workload
+from minivllm.config import ModelConfig
+from minivllm.models.loader import load_model
+
+PROJECTION_DTYPE = torch.bfloat16  # what models are served in
+PROJECTION_BATCHES = tuple(2**k for k in range(9))  # 1 to 256 sequences
+# Each model is projected at those of these sizes that split its heads, as the engine would
+# split them: SmolLM2's 9 query / 3 KV heads allow 1 and 3, Llama-3-8B's 32 / 8 allow 1, 2, 4, 8.
+PROJECTION_TP_SIZES = (1, 2, 3, 4, 8)
+DATA_PARALLEL_SIZE = 2  # fits any model: every replica holds all of it
+NVLINK_NAME = "NVLink 4 (spec sheet, 450 GB/s each way; 10 µs latency assumed)"
+TP_COLORS = {1: "tab:blue", 2: "tab:orange", 3: "tab:red", 4: "tab:green", 8: "tab:purple"}
+
+
+def nvlink(tp: int) -> Link:
+    """The projection's link: an all-reduce ring of `tp` GPUs over NVLink 4 (H100, H200) at the
+    spec sheet's bandwidth. The latency is an assumption, not a measurement: NCCL's small
+    all-reduces within one machine take some microseconds."""
+    return ring_link(NVLINK_NAME, 10e-6, 450e9, tp)
+
+
+def measure_parallelism(run: Run) -> Chapter:
+    """Tensor and data parallelism where there are devices to split over, and otherwise what
+    one device can say about them.
+
+    With 2+ GPUs: the engine alone, at DP=2 and at the smallest TP that the model's heads and
+    the GPUs allow, on chapter 04's workload (greedy tokens compared), and NCCL all-reduces
+    between 2 GPUs. With one GPU no engine runs. On a CPU (--quick) the same engines, their
+    ranks and replicas processes sharing the cores, and gloo all-reduces between 2 processes.
+    On every device: its decode step (this model in bfloat16), matmul peak and memory
+    bandwidth, and `projected_step` of this model and of a Llama-3-8B shape at TP = 1..8 over a
+    spec-sheet NVLink ring.
+
+    JSON: results ("engine", "engine:dp=2", "engine:tp=N"; empty when no engine ran); num_gpus;
+    skipped (why no engine ran, else null); tensor_parallel_size (the engine's, else null) and
+    tensor_parallel_skipped (why none ran, else null); notes; all_reduce (rows {bytes, seconds}:
+    one float32 all-reduce between 2 ranks, the slower rank's median; empty on one GPU),
+    all_reduce_backend; link {name, latency_s, bandwidth (bytes/s)} fitted to those rows, or
+    null; machine {name, peak_flops, bandwidth}: this device in bfloat16, measured;
+    decode_steps (rows {batch, measured_s, projected_s}: one step of this model with
+    parallel_context cached tokens per row, and the projection at TP=1, the roofline);
+    projection_dtype, projection_context, projection_links (rows {tp, name, latency_s,
+    bandwidth}) and projection (rows {model, tp, batch, compute_s, communication_s, seconds,
+    speedup: over TP=1 at the same batch}).
+    """
+    sizes = run.sizes
+    num_gpus = torch.cuda.device_count()
+    all_reduce_backend, all_reduce = measure_rank_all_reduce(run, num_gpus)
+    link = fit_link(f"{all_reduce_backend} (measured)", all_reduce) if all_reduce else None
+
+    notes: list[str] = []
+    results: list[MethodResult] = []
+    skipped = tp = tp_skipped = None
+    if run.device.type == "cuda" and num_gpus < 2:
+        skipped = tp_skipped = "tensor and data parallelism need 2+ GPUs"
+        low, high = min(sizes.parallel_batches), max(sizes.parallel_batches)
+        description = (
+            f"bfloat16 decode steps of {low}-{high} rows x {sizes.parallel_context} cached "
+            f"tokens (no engine run: {skipped})"
+        )
+        workload = Workload("decode-steps", [], [], description)
+    else:
+        tp, tp_skipped = engine_tensor_parallel_size(run, num_gpus)
+        methods = ["engine", f"engine:dp={DATA_PARALLEL_SIZE}"]
+        methods += [f"engine:tp={tp}"] if tp else []
+        workload = varied_output_workload(
+            run.tokenizer, sizes.varied_requests, output_lengths=sizes.varied_outputs
+        )
+        results = compare_engines(run, workload, methods)
+        if run.device.type == "cuda":  # the engine's replica_device and rank_config
+            notes.append(
+                "every data-parallel replica and tensor-parallel rank ran on a GPU of its own, "
+                "counting from cuda:0"
+            )
+
+    machine = measure_machine(run)
+    decode_steps = measure_decode_steps(run, machine)
+    models = {run.model_name: run.model.config, "Llama-3-8B shape": LLAMA3_8B}
+    projection = [
+        row
+        for name, config in models.items()
+        for row in project_tensor_parallel(name, config, machine, sizes.parallel_context)
+    ]
+    tp_sizes = sorted({row["tp"] for row in projection} - {1})
+
+    fig = plot_parallelism(run, workload, results, all_reduce, link, decode_steps, projection)
+    return Chapter(
+        "07-parallelism",
+        workload,
+        fig,
+        results,
+        dict(
+            num_gpus=num_gpus,
+            skipped=skipped,
+            tensor_parallel_size=tp,
+            tensor_parallel_skipped=tp_skipped,
+            notes=notes,
+            all_reduce_backend=all_reduce_backend,
+            all_reduce=all_reduce,
+            link=None if link is None else asdict(link),
+            machine=asdict(machine),
+            decode_steps=decode_steps,
+            projection_dtype=str(PROJECTION_DTYPE).removeprefix("torch."),
+            projection_context=sizes.parallel_context,
+            projection_links=[dict(tp=n, **asdict(nvlink(n))) for n in tp_sizes],
+            projection=projection,
+        ),
+    )
+
+
+def compare_engines(run: Run, workload: Workload, methods: list[str]) -> list[MethodResult]:
+    """The engine methods side by side, then every engine stopped: replicas and ranks are
+    processes, and a tensor-parallel engine holds this process's torch.distributed group until
+    it shuts down."""
+    ctx = run.context()
+    try:
+        return run.benchmark(ctx, workload, methods)
+    finally:
+        for llm in ctx.engines.values():
+            llm.llm_engine.shutdown()
+
+
+def measure_rank_all_reduce(run: Run, num_gpus: int) -> tuple[str | None, list[dict]]:
+    """All-reduce times between 2 ranks, one row per size as `measure_all_reduce` gives them:
+    gloo between CPU processes (the package's `RankPool`, as the notebook measures), NCCL
+    between 2 GPUs, and nothing on one GPU (NCCL needs a GPU per rank)."""
+    counts, repeats = list(run.sizes.all_reduce_elements), run.sizes.all_reduce_repeats
+    if run.device.type == "cpu":
+        pool = RankPool(2)
+        try:
+            return "gloo, 2 CPU processes", measure_all_reduce(pool, counts, repeats)
+        finally:
+            pool.close()
+    if num_gpus >= 2:
+        return "NCCL, 2 GPUs", all_reduce_between_processes("nccl", counts, repeats)
+    return None, []
+
+
+def measure_machine(run: Run) -> Machine:
+    """This device's two roofline numbers in the projection's dtype, measured: the best matrix
+    product and a large copy."""
+    dtype = str(PROJECTION_DTYPE).removeprefix("torch.")
+    return Machine(
+        f"{device_label()}, measured in {dtype}",
+        peak_flops=measure_matmul_peak(PROJECTION_DTYPE, run.device, run.sizes.matmul_size),
+        bandwidth=measure_memory_bandwidth(run.device, run.sizes.copy_megabytes),
+    )
+
+
+def measure_decode_steps(run: Run, machine: Machine) -> list[dict]:
+    """One decode step of this model in the projection's dtype at each batch size, measured
+    and projected at TP=1: how far eager PyTorch is from the roofline that the projection
+    divides among the ranks."""
+    model = load_model(run.model_dir, PROJECTION_DTYPE, run.device)
+    context = run.sizes.parallel_context
+    return [
+        dict(
+            batch=batch,
+            measured_s=decode_step_seconds(run, batch, context, model),
+            projected_s=projected_step(
+                model.config, PROJECTION_DTYPE, batch, context, machine, 1, None
+            ).seconds,
+        )
+        for batch in run.sizes.parallel_batches
+    ]
+
+
+def project_tensor_parallel(
+    name: str, config: ModelConfig, machine: Machine, context: int
+) -> list[dict]:
+    """`projected_step` of `config` at each TP size that fits it and each batch size, with its
+    speedup over one GPU at the same batch."""
+    rows = []
+    for tp in tensor_parallel_sizes(config, PROJECTION_TP_SIZES):
+        link = nvlink(tp) if tp > 1 else None
+        for batch in PROJECTION_BATCHES:
+            step = projected_step(config, PROJECTION_DTYPE, batch, context, machine, tp, link)
+            rows.append(
+                dict(
+                    model=name,
+                    tp=tp,
+                    batch=batch,
+                    compute_s=step.compute_s,
+                    communication_s=step.communication_s,
+                    seconds=step.seconds,
+                )
+            )
+    one_gpu = {row["batch"]: row["seconds"] for row in rows if row["tp"] == 1}
+    for row in rows:
+        row["speedup"] = one_gpu[row["batch"]] / row["seconds"]
+    return rows
+
+
+def plot_parallelism(
+    run: Run,
+    workload: Workload,
+    results: list[MethodResult],
+    all_reduce: list[dict],
+    link: Link | None,
+    decode_steps: list[dict],
+    projection: list[dict],
+) -> plt.Figure:
+    """All-reduce time against message size; this model's decode step, measured and projected;
+    each TP size's projected speedup against the batch; the engines' throughput if they ran."""
+    fig, axes = plt.subplots(
+        1, 4 if results else 3, figsize=(22 if results else 17, 4.6), layout="constrained"
+    )
+    plot_all_reduce(axes[0], all_reduce, link)
+    plot_decode_steps(axes[1], run, decode_steps, projection)
+    plot_projected_speedup(axes[2], run, projection)
+    if results:
+        plot_throughput(results, "the engine, whole workload", ax=axes[3], baseline="engine")
+    fig.suptitle(run.title("Tensor and data parallelism", workload), fontsize=10)
+    return fig
+
+
+def plot_all_reduce(ax, all_reduce: list[dict], link: Link | None) -> None:
+    message = np.geomspace(2**8, 2**28, 60)  # bytes
+    if all_reduce:
+        ax.plot(
+            [row["bytes"] for row in all_reduce],
+            [row["seconds"] * 1e6 for row in all_reduce],
+            "o",
+            color="black",
+            label=f"measured, {link.name.removesuffix(' (measured)')}",
+        )
+        ax.plot(
+            message,
+            [link.all_reduce_seconds(n) * 1e6 for n in message],
+            color="black",
+            label=f"fit: {link.latency_s * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s",
+        )
+    for tp in (2, 8):
+        ax.plot(
+            message,
+            [nvlink(tp).all_reduce_seconds(n) * 1e6 for n in message],
+            "--",
+            color=TP_COLORS[tp],
+            label=f"ring of {tp} GPUs, {NVLINK_NAME}",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("all-reduce message (bytes)")
+    ax.set_ylabel("time of one all-reduce (µs)")
+    measured = "measured between 2 ranks" if all_reduce else "none measured (one GPU)"
+    ax.set_title(f"all-reduce: {measured}", fontsize=9)
+    ax.legend(fontsize=6)
+    ax.grid(alpha=0.3)
+
+
+def plot_decode_steps(ax, run: Run, decode_steps: list[dict], projection: list[dict]) -> None:
+    where = "1 GPU" if run.device.type == "cuda" else "this CPU"
+    ax.plot(
+        [row["batch"] for row in decode_steps],
+        [row["measured_s"] * 1e3 for row in decode_steps],
+        "o-",
+        color="black",
+        label=f"measured, {where}",
+    )
+    ours = [row for row in projection if row["model"] == run.model_name]
+    for tp in sorted({row["tp"] for row in ours}):
+        rows = [row for row in ours if row["tp"] == tp]
+        ax.plot(
+            [row["batch"] for row in rows],
+            [row["seconds"] * 1e3 for row in rows],
+            "--",
+            color=TP_COLORS[tp],
+            label=f"projected, TP={tp}" + (" (roofline)" if tp == 1 else " (+ all-reduces)"),
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequences in the decode batch")
+    ax.set_ylabel("time of one decode step (ms)")
+    dtype = str(PROJECTION_DTYPE).removeprefix("torch.")
+    ax.set_title(
+        f"{run.model_name}, {dtype}, {run.sizes.parallel_context} cached tokens per sequence",
+        fontsize=9,
+    )
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
+def plot_projected_speedup(ax, run: Run, projection: list[dict]) -> None:
+    for model, style in ((run.model_name, ":"), ("Llama-3-8B shape", "-")):
+        rows = [row for row in projection if row["model"] == model]
+        for tp in sorted({row["tp"] for row in rows} - {1}):
+            ax.plot(
+                [row["batch"] for row in rows if row["tp"] == tp],
+                [row["speedup"] for row in rows if row["tp"] == tp],
+                style,
+                color=TP_COLORS[tp],
+                marker="o",
+                markersize=3,
+                label=f"{model}, TP={tp}",
+            )
+    ax.axhline(1, color="gray", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("sequences in the decode batch")
+    ax.set_ylabel("projected decode-step speedup over 1 GPU (×)")
+    dtype = str(PROJECTION_DTYPE).removeprefix("torch.")
+    ax.set_title(
+        f"projection, {dtype}: this device's roofline / TP + NVLink all-reduces", fontsize=9
+    )
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)

@@ -1,0 +1,281 @@
+"""Chapter 08 (notebooks/08-speculative-decoding.ipynb) on a GPU: speculative decoding.
+
+Plain decoding against n-gram speculation (k = 3 and 5 draft tokens) and a layer-skip draft,
+greedy: copying and free-writing requests at batch 1 (speedup, equal tokens, acceptance per
+draft position), then the copying requests at batch 1-64, plain against k = 3. A full run adds
+plain and k = 3 in bfloat16 at batch 1.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+
+from minivllm.bench.benchmark import workload_kv_cache_bytes
+from minivllm.bench.gpu.common import DTYPE, Chapter, Run, chat_requests
+from minivllm.bench.workloads import Workload
+from minivllm.config import EngineConfig
+from minivllm.entrypoints.llm import LLM
+from minivllm.sample.sampling_params import SamplingParams
+
+# The notebook's requests: a paragraph to copy word for word (the n-gram proposer finds the
+# next words in the prompt) and free writing (it finds little to copy).
+PARAGRAPHS = (
+    "The committee met on Tuesday to review the budget for the new library. After a long "
+    "discussion, the members agreed to fund the children's section, the reading room and a small "
+    "cafe, and to postpone the renovation of the archive until next year.",
+    "To reset the router, unplug it for thirty seconds, plug it back in, and wait until the green "
+    "light stops blinking. If the light stays orange, hold the reset button for ten seconds and "
+    "try again.",
+    "Mix the flour, the sugar and a pinch of salt in a large bowl. Add the eggs one at a time, "
+    "then the melted butter, and stir until the batter is smooth. Bake for twenty-five minutes at "
+    "180 degrees.",
+    "The museum opens at nine in the morning and closes at six in the evening, except on Mondays. "
+    "Tickets can be bought at the entrance or online, and children under twelve enter for free.",
+)
+STORIES = (
+    "Write a short story about a lighthouse keeper.",
+    "Describe a walk through a forest in autumn.",
+    "Tell me about the history of bicycles.",
+    "Write a poem about the sea at night.",
+)
+# The notebook's settings: n-gram drafts of k tokens (matches of 2-4 tokens, the defaults), and
+# a layer-skip draft of the first 80% of the target's layers (24 of SmolLM2-135M's 30).
+SPECULATIVE = {f"ngram k={k}": {"method": "ngram", "num_speculative_tokens": k} for k in (3, 5)}
+SPECULATIVE["layer skip 80% k=3"] = {"method": "layer_skip", "num_speculative_tokens": 3}
+LAYER_SKIP_SHARE = 0.8
+SWEEP_METHOD = "ngram k=3"  # the one the batch sweep runs against plain decoding
+# A full run times these in bfloat16 too, at batch 1, for speed; a quick run checks float32
+# only (each engine loads a model of its own).
+BFLOAT16_METHODS = ("plain", SWEEP_METHOD)
+
+
+def measure_speculative_decoding(run: Run) -> Chapter:
+    """Plain decoding against n-gram speculation (k = 3 and 5 draft tokens), greedy.
+
+    At batch 1 (each request alone) on copying and free-writing requests, then the copying
+    requests at growing batch sizes, plain against k=3. The engines run without prefix caching:
+    the copies of a paragraph in a batch would otherwise share their prompt, and what is
+    measured here is decoding.
+
+    JSON: results (empty); max_tokens; batch1 (rows {workload, method, tokens_per_s, speedup:
+    over plain on the same workload, same_tokens: as plain's}, "plain@bfloat16" and
+    "ngram k=3@bfloat16" in a full run, compared with plain in bfloat16); acceptance_per_position
+    {"method/workload": [share of verification steps that kept the draft at position 0, 1, ..]}
+    from the engine's counters; verification_steps {"method/workload": steps that checked
+    drafts (0 where the proposer found no match, as on the quick run's random model)};
+    batch_sweep (rows {batch, plain_tokens_per_s, speculative_tokens_per_s, ratio});
+    speculative_method (the sweep's).
+    """
+    sizes = run.sizes
+    workloads = {
+        "copying": chat_requests(
+            run, ["Copy this text exactly, word for word:\n\n" + text for text in PARAGRAPHS]
+        ),
+        "free writing": chat_requests(run, list(STORIES)),
+    }
+    largest = max(sizes.spec_batches)
+    sweep_prompts = {b: (workloads["copying"] * largest)[:b] for b in sizes.spec_batches}
+    engines = speculative_engines(run, sweep_prompts[largest], DTYPE, ["plain", *SPECULATIVE])
+    if not run.quick:
+        engines |= speculative_engines(
+            run, sweep_prompts[largest], torch.bfloat16, list(BFLOAT16_METHODS)
+        )
+
+    batch1, acceptance, verification_steps = [], {}, {}
+    for workload, prompts in workloads.items():
+        plain_rate, plain_tokens = None, None
+        # Each dtype's plain engine comes first of its dtype's: its rate and tokens are the
+        # ones that dtype's speculative methods compare with.
+        for method, llm in engines.items():
+            setting = method.partition("@")[0]
+            warm_up(llm)  # before the counters are read: its drafts are not the workload's
+            before = spec_counters(llm)
+            rate, tokens = tokens_per_s_alone(llm, prompts, sizes.spec_output)
+            if setting == "plain":
+                plain_rate, plain_tokens = rate, tokens
+            else:
+                after, k = spec_counters(llm), SPECULATIVE[setting]["num_speculative_tokens"]
+                acceptance[f"{method}/{workload}"] = acceptance_per_position(before, after, k)
+                verification_steps[f"{method}/{workload}"] = counter_delta(before, after, DRAFTS)
+            batch1.append(
+                dict(
+                    workload=workload,
+                    method=method,
+                    tokens_per_s=rate,
+                    speedup=rate / plain_rate,
+                    same_tokens=tokens == plain_tokens,
+                )
+            )
+            print(f"batch 1, {workload}, {method}: {rate:.1f} tokens/s ({rate / plain_rate:.2f}x)")
+
+    batch_sweep = []
+    for batch, prompts in sweep_prompts.items():
+        plain = tokens_per_s_batched(engines["plain"], prompts, sizes.spec_output)
+        speculative = tokens_per_s_batched(engines[SWEEP_METHOD], prompts, sizes.spec_output)
+        batch_sweep.append(
+            dict(
+                batch=batch,
+                plain_tokens_per_s=plain,
+                speculative_tokens_per_s=speculative,
+                ratio=speculative / plain,
+            )
+        )
+        print(f"batch {batch}: plain {plain:.1f}, {SWEEP_METHOD} {speculative:.1f} tokens/s")
+
+    n = len(PARAGRAPHS)
+    workload = Workload(
+        "copy-and-free-write",
+        [p["prompt_token_ids"] for prompts in workloads.values() for p in prompts],
+        [sizes.spec_output] * (n + len(STORIES)),
+        f"{n} chat requests to copy a paragraph word for word and {len(STORIES)} to write "
+        f"freely, greedy, at most {sizes.spec_output} tokens each",
+    )
+    return Chapter(
+        "08-speculative-decoding",
+        workload,
+        plot_speculative_decoding(run, workload, batch1, batch_sweep),
+        measured=dict(
+            max_tokens=sizes.spec_output,
+            batch1=batch1,
+            acceptance_per_position=acceptance,
+            verification_steps=verification_steps,
+            batch_sweep=batch_sweep,
+            speculative_method=SWEEP_METHOD,
+        ),
+    )
+
+
+def speculative_engines(
+    run: Run, largest_batch: list[dict], dtype: torch.dtype, names: list[str]
+) -> dict[str, LLM]:
+    """The engines of `names` ("plain" or a key of SPECULATIVE) in `dtype`, by name (with
+    "@bfloat16" when not the run's dtype), each with a KV pool sized for the largest batch
+    (every engine loads its own copy of the model: left to themselves, they would each take
+    most of a GPU, or 2 GiB of zeroed CPU memory)."""
+    most_drafts = max(s["num_speculative_tokens"] for s in SPECULATIVE.values())
+    largest = Workload(
+        "largest-batch",
+        [p["prompt_token_ids"] for p in largest_batch],
+        # The verification step writes the drafts' KV too: room for them past the last token.
+        [run.sizes.spec_output + most_drafts] * len(largest_batch),
+        "",
+    )
+    budget = workload_kv_cache_bytes(largest, run.model.config, dtype, EngineConfig.block_size)
+    engine = partial(
+        LLM,
+        run.model_dir,
+        dtype=dtype,
+        device=run.device,
+        kv_cache_memory_bytes=budget,
+        enable_prefix_caching=False,
+    )
+    suffix = "" if dtype == DTYPE else "@" + str(dtype).removeprefix("torch.")
+    engines = {}
+    num_layers = run.model.config.num_layers
+    for name in names:
+        config = SPECULATIVE.get(name)
+        if config is None:  # plain decoding
+            engines[name + suffix] = engine()
+        elif config["method"] == "layer_skip":
+            # The draft's layers keep K/V of their own: a block costs that much more.
+            draft_layers = min(max(1, round(LAYER_SKIP_SHARE * num_layers)), num_layers - 1)
+            config = config | {"num_draft_layers": draft_layers}
+            extra = dict(kv_cache_memory_bytes=budget * (num_layers + draft_layers) // num_layers)
+            engines[name + suffix] = engine(speculative_config=config, **extra)
+        else:
+            engines[name + suffix] = engine(speculative_config=config)
+    return engines
+
+
+def spec_counters(llm: LLM) -> dict[str, float]:
+    """The engine's speculative-decoding counters (cumulative since it was built)."""
+    return {m.name: m.value for m in llm.get_metrics() if "spec_decode" in m.name}
+
+
+DRAFTS = "vllm:spec_decode_num_drafts"  # verification steps: steps that checked drafts
+ACCEPTED_AT = 'vllm:spec_decode_num_accepted_tokens_per_pos{{position="{}"}}'  # drafts kept at i
+
+
+def counter_delta(before: dict, after: dict, name: str) -> float:
+    """What a counter gained between two readings (absent: not counted yet)."""
+    return after.get(name, 0) - before.get(name, 0)
+
+
+def acceptance_per_position(before: dict, after: dict, k: int) -> list[float]:
+    """Of the verification steps between the two readings, the share that kept draft i. A
+    draft is kept only after every earlier one was, so the shares cannot grow with i."""
+    drafts = counter_delta(before, after, DRAFTS)
+    return [counter_delta(before, after, ACCEPTED_AT.format(i)) / max(drafts, 1) for i in range(k)]
+
+
+def warm_up(llm: LLM) -> None:
+    """A first request, untimed; its prompt shares nothing with the workloads'."""
+    llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def tokens_per_s_alone(
+    llm: LLM, prompts: list[dict], max_tokens: int
+) -> tuple[float, list[list[int]]]:
+    """Output tokens per second with each request run alone (batch 1), and their tokens."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    tokens, seconds = [], 0.0
+    for prompt in prompts:
+        start = time.perf_counter()
+        output = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
+        seconds += time.perf_counter() - start  # `generate` returns tokens: the device synced
+        tokens.append(list(output.token_ids))
+    return sum(len(t) for t in tokens) / seconds, tokens
+
+
+def tokens_per_s_batched(llm: LLM, prompts: list[dict], max_tokens: int) -> float:
+    """Output tokens per second with all the requests submitted at once."""
+    warm_up(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(
+        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
+    )
+    seconds = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+
+
+def plot_speculative_decoding(
+    run: Run, workload: Workload, batch1: list[dict], batch_sweep: list[dict]
+) -> plt.Figure:
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    workloads = list(dict.fromkeys(row["workload"] for row in batch1))
+    methods = [
+        m for m in dict.fromkeys(row["method"] for row in batch1) if m.partition("@")[0] != "plain"
+    ]
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        rows = {row["workload"]: row for row in batch1 if row["method"] == method}
+        x = np.arange(len(workloads)) + (i - (len(methods) - 1) / 2) * width
+        bars = ax1.bar(x, [rows[w]["speedup"] for w in workloads], width, label=method)
+        ax1.bar_label(bars, [f"{rows[w]['speedup']:.2f}x" for w in workloads], fontsize=8)
+    ax1.axhline(1, color="gray", linewidth=0.8)
+    ax1.set_ylim(0, max(row["speedup"] for row in batch1) * 1.15)  # room for the labels
+    ax1.set_xticks(range(len(workloads)), [f"{w} requests" for w in workloads])
+    ax1.set_ylabel("output tokens/s, speculative / plain (×)")
+    ax1.set_title("batch 1: each request alone")
+    ax1.legend(fontsize=8)
+    ax1.grid(axis="y", alpha=0.3)
+
+    batches = [row["batch"] for row in batch_sweep]
+    ax2.plot(batches, [row["ratio"] for row in batch_sweep], "o-", label=f"{SWEEP_METHOD} / plain")
+    ax2.axhline(1, color="gray", linewidth=0.8)
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(batches, [str(b) for b in batches])
+    ax2.set_xlabel("copying requests in the batch")
+    ax2.set_ylabel("output tokens/s, speculative / plain (×)")
+    ax2.set_title("copying requests, all submitted at once")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.suptitle(
+        run.title("Speculative decoding with n-gram drafts, greedy", workload), fontsize=10
+    )
+    return fig

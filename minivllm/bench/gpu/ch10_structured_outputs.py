@@ -1,0 +1,114 @@
+"""Chapter 10 (notebooks/10-structured-outputs.ipynb) on a GPU: what a grammar costs.
+
+The same chat requests answered freely and under a JSON schema (xgrammar's bitmask per sampled
+row): output tokens/s of each, and the schema's compile time; a full run adds both in bfloat16.
+"""
+
+from __future__ import annotations
+
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+from minivllm.bench.benchmark import workload_kv_cache_bytes
+from minivllm.bench.gpu.common import DTYPE, Chapter, Run, chat_requests
+from minivllm.bench.workloads import Workload
+from minivllm.config import EngineConfig
+from minivllm.entrypoints.llm import LLM
+from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
+
+PERSON_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
+
+
+def measure_structured_outputs(run: Run) -> Chapter:
+    """The same chat requests (greedy) answered freely and under a JSON schema, one batch each
+    on one engine: the grammar's cost is the bitmask each sampled row gets and the matchers
+    advanced by each token. The schema's first compile is timed apart (xgrammar caches it).
+
+    JSON: results (empty); rows: [{"mode", "requests", "output_tokens", "seconds",
+    "tokens_per_s"}] for "free" and "json schema", then in a full run "free@bfloat16" and
+    "json schema@bfloat16" (an engine of its own, for speed); ratio (schema / free tokens/s,
+    float32); compile_seconds.
+    """
+    messages = [f"Describe person number {i} as JSON with a name and an age." for i in range(8)]
+    prompts = (chat_requests(run, messages) * run.sizes.grammar_requests)[
+        : run.sizes.grammar_requests
+    ]
+    workload = Workload(
+        "json-person",
+        [p["prompt_token_ids"] for p in prompts],
+        [run.sizes.grammar_output] * len(prompts),
+        f"{len(prompts)} chat requests for a person as JSON, greedy, at most "
+        f"{run.sizes.grammar_output} tokens",
+    )
+    rows, compile_seconds = free_and_constrained(run, workload, DTYPE)
+    if not run.quick:  # a quick run checks float32 only: every engine costs a start
+        rows += free_and_constrained(run, workload, torch.bfloat16)[0]
+    ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
+    print(
+        f"schema compile {compile_seconds:.2f} s; "
+        + ", ".join(f"{r['mode']} {r['tokens_per_s']:.1f} tok/s" for r in rows)
+        + f" ({ratio:.2f}x)"
+    )
+
+    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.7 * len(rows)), layout="constrained")
+    bars = ax.barh([r["mode"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:purple")
+    ax.bar_label(bars, [f" {r['tokens_per_s']:.1f}" for r in rows])
+    ax.set_xlabel("output tokens per second")
+    ax.invert_yaxis()
+    fig.suptitle(run.title("Structured outputs: the grammar's cost", workload), fontsize=10)
+    return Chapter(
+        "10-structured-outputs",
+        workload,
+        fig,
+        [],
+        dict(rows=rows, ratio=ratio, compile_seconds=compile_seconds),
+    )
+
+
+def free_and_constrained(
+    run: Run, workload: Workload, dtype: torch.dtype
+) -> tuple[list[dict], float]:
+    """One engine in `dtype` (its KV pool sized for the workload) answers the workload freely,
+    then under the schema: a row for each ("@bfloat16" after the mode when not the run's
+    dtype), and the seconds of the schema's first compile."""
+    suffix = "" if dtype == DTYPE else "@" + str(dtype).removeprefix("torch.")
+    budget = workload_kv_cache_bytes(workload, run.model.config, dtype, EngineConfig.block_size)
+    llm = LLM(
+        str(run.model_dir),
+        dtype=dtype,
+        device=str(run.device),
+        enforce_eager=run.quick,
+        kv_cache_memory_bytes=budget,
+    )
+    prompts = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
+    schema = StructuredOutputsParams(json=PERSON_SCHEMA)
+    compile_start = time.perf_counter()
+    llm.generate(
+        prompts[:1], SamplingParams(max_tokens=1, structured_outputs=schema), use_tqdm=False
+    )
+    compile_seconds = time.perf_counter() - compile_start
+    rows = []
+    for mode, constraint in (("free", None), ("json schema", schema)):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=run.sizes.grammar_output, structured_outputs=constraint
+        )
+        start = time.perf_counter()  # generate returns tokens on the host: no sync needed
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        rows.append(
+            dict(
+                mode=mode + suffix,
+                requests=len(prompts),
+                output_tokens=tokens,
+                seconds=seconds,
+                tokens_per_s=tokens / seconds,
+            )
+        )
+    return rows, compile_seconds

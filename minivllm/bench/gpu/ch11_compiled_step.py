@@ -1,0 +1,64 @@
+"""Chapter 11 (notebooks/11-the-cost-of-a-step.ipynb) on a GPU: the compiled step.
+
+The engine eager against compiled with CUDA graphs (its default on a GPU), float32 and
+bfloat16: one request decoding alone (batch 1, where launch overhead is the whole step) and the
+varied-output workload.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import matplotlib.pyplot as plt
+
+from minivllm.bench.benchmark import MethodResult
+from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.workloads import throughput_workload, varied_output_workload
+
+
+def measure_compiled_step(run: Run) -> Chapter:
+    """The eager engine against the compiled one, which on a GPU also replays its decode steps
+    from CUDA graphs, in float32 and bfloat16: a single request decoding (batch 1) and the
+    varied-output workload.
+
+    JSON: results (the varied-output workload: "engine-no-prefix-cache:eager",
+    "engine-no-prefix-cache:compiled" and both "@bfloat16"); batch1 (the same four methods on one
+    request, each a result record); speedups {"batch1", "varied"} -> dtype -> compiled / eager.
+    """
+    # A quick run checks the plumbing in float32 only: each compiled engine costs a compile.
+    dtypes = ("",) if run.quick else ("", "@bfloat16")
+    methods = [
+        f"engine-no-prefix-cache:{setting}{dtype}"
+        for dtype in dtypes
+        for setting in ("eager", "compiled")
+    ]
+    single = throughput_workload(run.tokenizer, 1, output_length=run.sizes.single_output)
+    varied = varied_output_workload(
+        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
+    )
+    batch1 = run.benchmark(run.context(), single, methods)
+    results = run.benchmark(run.context(), varied, methods)
+
+    def speedups(rows: list[MethodResult]) -> dict[str, float]:
+        rate = {r.method: r.output_tokens_per_s for r in rows}
+        return {
+            dtype.removeprefix("@") or "float32": rate[f"engine-no-prefix-cache:compiled{dtype}"]
+            / rate[f"engine-no-prefix-cache:eager{dtype}"]
+            for dtype in dtypes
+        }
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 7), layout="constrained")
+    for ax, rows, workload in ((axes[0], batch1, single), (axes[1], results, varied)):
+        plot_throughput(rows, f"{workload.name}: {workload.description}", ax=ax)
+    fig.suptitle(run.title("Eager against compiled (CUDA graphs on a GPU)"), fontsize=10)
+    return Chapter(
+        "11-compiled-step",
+        varied,
+        fig,
+        results,
+        dict(
+            batch1=[asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in batch1],
+            speedups=dict(batch1=speedups(batch1), varied=speedups(results)),
+        ),
+    )

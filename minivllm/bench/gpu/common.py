@@ -1,0 +1,389 @@
+"""What every chapter's measurement shares: the sizes, the run (the model loaded once), the
+chapter's record and how it is saved, and the helpers two or more chapters use (a decode step
+over random K/V, chat requests, tensor-parallel sizes, all-reduces between processes).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from minivllm.baselines.kv_cache import ContiguousKVCache
+from minivllm.bench.benchmark import (
+    BenchmarkContext,
+    MethodResult,
+    best_time,
+    device_label,
+    format_table,
+    run_benchmark,
+    workload_kv_cache_bytes,
+    write_json,
+)
+from minivllm.bench.gpu_results import GPU_RESULTS_DIR
+from minivllm.bench.workloads import Workload
+from minivllm.config import EngineConfig, ModelConfig
+from minivllm.executor.multiproc import free_port
+from minivllm.models.llama import LlamaForCausalLM
+from minivllm.models.loader import embedded_model_dir, load_model, load_tokenizer
+from minivllm.models.tiny import make_tiny_model
+from minivllm.tokenizer import apply_chat_template
+
+DTYPE = torch.float32
+DEFAULT_OUT = GPU_RESULTS_DIR
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much each chapter measures."""
+
+    logit_prompts: int  # ch00: chat prompts whose logits are compared with transformers'
+    logit_prompt_lengths: tuple[int, int]  # shortest and longest of them, tokens
+    step_lengths: tuple[int, ...]  # ch01: sequence lengths of one no-cache step
+    naive_requests: int  # ch01: requests of the no-cache loop against `generate`
+    naive_output: int  # ch01: tokens each of them generates
+    speedup_requests: int  # ch02: requests of the methods side by side (one static batch)
+    speedup_output: int
+    decode_rows: tuple[int, ...]  # ch02: rows of the decode-step sweep
+    decode_context: int  # ch02: cached tokens per row in that sweep
+    varied_requests: int  # ch02-04: the varied-output workload
+    varied_outputs: tuple[int, int]
+    seats: int  # ch04: sequences at once, static batches and the engine alike
+    block_sizes: tuple[int, ...]  # ch03: block sizes of the paged decode-attention sweep
+    attention_seqs: int  # ch03: sequences in that sweep
+    attention_seq_len: int  # ch03: tokens of each
+    prefix_requests: int  # ch05: the shared-prefix workload
+    system_prompt_length: int
+    prefix_output: int
+    # ch05: the engines' token budget per step. Requests admitted in the same step cannot hit
+    # each other's blocks (they are cached once computed), so the budget must not admit them all.
+    prefix_step_tokens: int
+    kernel_batches: tuple[int, ...]  # ch06: decode batches of the attention-backend grid
+    kernel_contexts: tuple[int, ...]  # ch06: context lengths of that grid, tokens
+    prefill_chunk: int  # ch06: new tokens of the timed prefill chunk (after as many cached)
+    all_reduce_elements: tuple[int, ...]  # ch07: float32 values of each timed all-reduce
+    all_reduce_repeats: int  # ch07: all-reduces per size; the median counts
+    parallel_batches: tuple[int, ...]  # ch07: rows of the measured decode steps
+    parallel_context: int  # ch07: cached tokens per row, there and in the projection
+    matmul_size: int  # ch07: side of the square products that measure the matmul peak
+    copy_megabytes: int  # ch07: size of the copy that measures the memory bandwidth
+    spec_output: int  # ch08: most tokens each request generates (a copy ends on its own)
+    spec_batches: tuple[int, ...]  # ch08: copying requests at once in the batch sweep
+    serve_rates: tuple[float, ...]  # ch09: offered request rates, requests/s (inf: all at once)
+    serve_requests: int  # ch09: requests sent at each rate, fresh prompts every rate
+    serve_output: int  # ch09: tokens each of them generates
+    serve_seats: int  # ch09: the server's max_num_seqs
+    serve_seconds: float  # ch09: most seconds a rate may take
+    single_output: int  # ch11: tokens the one batch-1 request decodes
+    sampler_batches: tuple[int, ...]  # ch01b: rows of logits the sampler picks from at once
+    grammar_requests: int  # ch10: requests answered with and without a JSON schema
+    grammar_output: int  # ch10: most tokens each of them generates
+    smoke_output: int  # smoke: tokens each engine of the smoke generates
+    repeats: int  # timed repetitions of a micro-benchmark; the fastest counts
+
+
+# About three minutes on an H200 by an estimate of eager PyTorch's per-step cost there, not yet
+# a measurement: the JSON records each chapter's seconds.
+GPU_SIZES = Sizes(
+    logit_prompts=8,
+    logit_prompt_lengths=(20, 1000),
+    step_lengths=(16, 64, 128, 256, 512, 1024, 2048),
+    naive_requests=4,
+    naive_output=128,
+    speedup_requests=16,
+    speedup_output=32,
+    decode_rows=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+    decode_context=128,
+    varied_requests=64,
+    varied_outputs=(16, 256),
+    seats=16,
+    block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+    attention_seqs=64,
+    attention_seq_len=1024,
+    prefix_requests=64,
+    system_prompt_length=1000,
+    prefix_output=16,
+    prefix_step_tokens=2048,  # the engine's default: one or two of the ~1030-token prompts
+    kernel_batches=(1, 16, 64),
+    kernel_contexts=(512, 2048, 4096),
+    prefill_chunk=2048,
+    all_reduce_elements=tuple(4**k for k in range(4, 14)),  # 1 KiB to 256 MiB
+    all_reduce_repeats=20,
+    parallel_batches=(1, 4, 16, 64, 256),
+    parallel_context=1024,
+    matmul_size=8192,  # 1 TFLOP a product: long enough for the clock, as a 2048 one is not
+    copy_megabytes=1024,
+    spec_output=96,  # a paragraph's copy is 40-60 tokens: it ends before
+    spec_batches=(1, 4, 16, 32, 64),
+    # From well below the engine's capacity to past it; 64 requests take 16 s at the lowest.
+    serve_rates=(4.0, 16.0, 64.0, 256.0, float("inf")),
+    serve_requests=64,
+    serve_output=64,
+    serve_seats=64,
+    serve_seconds=30.0,
+    single_output=128,
+    sampler_batches=(1, 32, 256),
+    grammar_requests=32,
+    grammar_output=64,
+    smoke_output=16,
+    repeats=5,
+)
+
+QUICK_SIZES = Sizes(
+    logit_prompts=3,
+    logit_prompt_lengths=(20, 120),
+    step_lengths=(16, 64, 128),
+    naive_requests=2,
+    naive_output=6,
+    speedup_requests=3,
+    speedup_output=6,
+    decode_rows=(1, 2, 4),
+    decode_context=32,
+    varied_requests=6,
+    varied_outputs=(4, 16),
+    seats=3,
+    block_sizes=(1, 4, 16),
+    attention_seqs=4,
+    attention_seq_len=64,
+    prefix_requests=4,
+    system_prompt_length=200,
+    prefix_output=4,
+    prefix_step_tokens=128,
+    kernel_batches=(1, 2),
+    kernel_contexts=(32, 64),
+    prefill_chunk=32,
+    # Up to 16 MiB: on a 2-core CPU a small all-reduce's median varies from 0.3 to 3.5 ms, and
+    # the largest (~14 ms) must stand clear of that for the fit to find a bandwidth.
+    all_reduce_elements=(2**8, 2**12, 2**16, 2**20, 2**22),
+    all_reduce_repeats=20,
+    parallel_batches=(1, 4),
+    parallel_context=32,
+    matmul_size=256,
+    copy_megabytes=16,
+    spec_output=8,
+    spec_batches=(1, 2),
+    serve_rates=(8.0, float("inf")),
+    serve_requests=3,
+    serve_output=4,
+    serve_seats=4,
+    serve_seconds=20.0,
+    single_output=8,
+    sampler_batches=(1, 4),
+    grammar_requests=2,
+    grammar_output=12,
+    smoke_output=4,
+    repeats=2,
+)
+
+
+@dataclass
+class Run:
+    """What every chapter shares: the model (loaded once), the sizes, the device."""
+
+    model_dir: Path
+    model_name: str  # for titles
+    model: LlamaForCausalLM
+    tokenizer: object
+    sizes: Sizes
+    quick: bool
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.model.embed_tokens.weight.device
+
+    def context(self, **settings) -> BenchmarkContext:
+        """A fresh benchmark context on the shared model: its own engines, its own settings."""
+        return BenchmarkContext(self.model_dir, self.model, self.tokenizer, DTYPE, **settings)
+
+    def benchmark(self, ctx: BenchmarkContext, workload: Workload, methods: list[str]):
+        """`run_benchmark`, with the table printed. The matmul peak (for MFU) is measured in
+        a full run only: a quick run is a check, and the peak takes seconds on a CPU."""
+        if self.device.type == "cpu":
+            # On CUDA the benchmark sizes each engine's KV pool for the workload itself; on the
+            # CPU an engine takes a default of 2 GiB, zeroed as it is allocated: most of a
+            # quick run's time. The same sizing keeps it small.
+            block_size = ctx.engine_args.get("block_size", EngineConfig.block_size)
+            budget = workload_kv_cache_bytes(workload, self.model.config, DTYPE, block_size)
+            ctx.engine_args.setdefault("kv_cache_memory_bytes", budget)
+        results = run_benchmark(ctx, workload, methods, measure_peak=not self.quick)
+        print(format_table(results))
+        return results
+
+    def title(self, what: str, workload: Workload | None = None) -> str:
+        """A figure title naming the measurement, model, dtype, device and workload."""
+        dtype = str(DTYPE).removeprefix("torch.")
+        line = f"{what} · {self.model_name} · {dtype} · {device_label()}"
+        if workload is not None:
+            line += f"\n{workload.name}: {workload.description}"
+        return line
+
+
+@dataclass
+class Chapter:
+    """One chapter's measurement, ready to be written out."""
+
+    stem: str  # "04-throughput": the names of its JSON and its figure
+    workload: Workload  # what it measured on (for chapter 00, the prompts it compared on)
+    figure: plt.Figure | None  # None: a record without a figure (the smoke)
+    results: list[MethodResult] = field(default_factory=list)  # methods timed side by side
+    measured: dict = field(default_factory=dict)  # the chapter's own numbers
+    # What went wrong although the record could be written (the smoke's failing branches):
+    # the record is saved, and the run counts the chapter as failed.
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def number(self) -> int | None:
+        return chapter_number(self.stem)
+
+
+def chapter_number(key: str) -> int | None:
+    """The book chapter a key or stem feeds: "01b" and "01b-sampler-cost" -> 1; None for the
+    smoke, which feeds none."""
+    return int(key[:2]) if key[:2].isdigit() else None
+
+
+def device_slug() -> str:
+    """The device's name as a directory name: "NVIDIA H200" -> "nvidia-h200"."""
+    return re.sub(r"[^a-z0-9]+", "-", device_label().lower()).strip("-")
+
+
+def load_run(quick: bool, device: torch.device, scratch: Path) -> Run:
+    """The embedded SmolLM2-135M-Instruct, or for --quick a tiny random model written to
+    `scratch` that shares its tokenizer (two layers: every chapter runs in seconds on a CPU)."""
+    model_dir, model_name = embedded_model_dir(), "SmolLM2-135M-Instruct"
+    if quick:
+        model_dir = make_tiny_model("llama", scratch, seed=0, tokenizer_dir=model_dir)
+        model_name = "tiny random llama (2 layers)"
+    model = load_model(model_dir, DTYPE, device)
+    sizes = QUICK_SIZES if quick else GPU_SIZES
+    return Run(model_dir, model_name, model, load_tokenizer(model_dir), sizes, quick)
+
+
+def save(run: Run, chapter: Chapter, out_dir: Path, seconds: float) -> None:
+    """NN-name.json (write_json's record and the chapter's numbers) and NN-name.png."""
+    write_json(
+        out_dir / f"{chapter.stem}.json",
+        chapter.workload,
+        chapter.results,
+        chapter=chapter.number,
+        model=run.model_name,
+        dtype=str(DTYPE).removeprefix("torch."),
+        quick=run.quick,
+        seconds=seconds,
+        **chapter.measured,
+    )
+    if chapter.figure is not None:
+        chapter.figure.savefig(out_dir / f"{chapter.stem}.png", dpi=120, bbox_inches="tight")
+        plt.close(chapter.figure)
+
+
+# --- shared by two or more chapters --------------------------------------------------------
+
+
+@torch.inference_mode()
+def decode_step_seconds(
+    run: Run, rows: int, context: int | None = None, model: LlamaForCausalLM | None = None
+) -> float:
+    """The fastest of a few decode steps of `rows` rows over random stand-in K/V: `context`
+    cached tokens per row (decode_context by default), `model` in its own dtype (the run's by
+    default; chapter 07 times a bfloat16 copy)."""
+    context = run.sizes.decode_context if context is None else context
+    model = model or run.model
+    config, dtype = model.config, model.model.embed_tokens.weight.dtype
+    cache = ContiguousKVCache(config, rows, context + 1, dtype, run.device)
+    cache.keys.normal_()
+    cache.values.normal_()
+    ids = torch.randint(0, config.vocab_size, (rows,), device=run.device)  # a new token per row
+    positions = torch.full((rows,), context, device=run.device)
+    seq_lens = positions + 1  # cached tokens and the new one
+
+    def step():
+        return model.compute_logits(model(ids, positions, cache.decode(seq_lens)))
+
+    return best_time(step, run.device, run.sizes.repeats)
+
+
+def chat_requests(run: Run, messages: list[str]) -> list[dict]:
+    """Each message as a one-turn chat prompt, in the run's tokenizer's template."""
+    return [
+        {"prompt_token_ids": apply_chat_template(run.tokenizer, [{"role": "user", "content": m}])}
+        for m in messages
+    ]
+
+
+def tensor_parallel_sizes(config: ModelConfig, candidates) -> list[int]:
+    """Those of `candidates` that split the model's heads and MLP evenly (the engine's rule)."""
+    fitting = []
+    for size in candidates:
+        try:
+            config.check_tensor_parallel_size(size)
+        except ValueError:
+            continue
+        fitting.append(size)
+    return fitting
+
+
+def engine_tensor_parallel_size(run: Run, num_gpus: int) -> tuple[int | None, str | None]:
+    """The smallest TP size above 1 that fits both the model and the machine, else None and
+    why. On CUDA each rank needs a GPU of its own; on the CPU ranks are processes, and two of
+    them already share its cores."""
+    config = run.model.config
+    usable = range(2, num_gpus + 1) if run.device.type == "cuda" else [2]
+    fitting = tensor_parallel_sizes(config, usable)
+    if fitting:
+        return fitting[0], None
+    needed = tensor_parallel_sizes(config, range(2, config.num_heads + 1))
+    why = (
+        f"tensor parallelism on {run.model_name} ({config.num_heads} query / "
+        f"{config.num_kv_heads} KV heads) needs {needed[0] if needed else 'more'} GPUs; "
+        f"this machine has {num_gpus}"
+    )
+    print(why)
+    return None, why
+
+
+def all_reduce_between_processes(backend: str, counts: list[int], repeats: int) -> list[dict]:
+    """`measure_all_reduce`'s rows from 2 spawned processes in a `backend` group, under NCCL
+    each rank on a GPU of its own (`RankPool`'s ranks speak gloo, on the CPU only)."""
+    medians = mp.get_context("spawn").SimpleQueue()
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    mp.spawn(_time_all_reduces, (2, backend, init_method, counts, repeats, medians), nprocs=2)
+    per_rank = [medians.get() for _ in range(2)]
+    # The slower rank's median: an all-reduce is done when every rank holds the sum.
+    return [
+        {"bytes": 4 * count, "seconds": max(rank[i] for rank in per_rank)}
+        for i, count in enumerate(counts)
+    ]
+
+
+def _time_all_reduces(
+    rank: int, size: int, backend: str, init_method: str, counts: list[int], repeats: int, medians
+) -> None:
+    """One rank of `all_reduce_between_processes`: the median seconds of `repeats` float32
+    all-reduces of each size (single calls vary: a rank scheduled late holds up the others)."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size)
+    rank_medians = []
+    for count in counts:
+        x = torch.ones(count, device=device)
+        for _ in range(5):  # the first calls set up the connections and their buffers
+            dist.all_reduce(x)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # NCCL returns at once; the sum arrives later
+            times.append(time.perf_counter() - start)
+        rank_medians.append(sorted(times)[len(times) // 2])
+    medians.put(rank_medians)
+    dist.destroy_process_group()
