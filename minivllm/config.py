@@ -25,6 +25,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # "auto" and the names registered in attention/backend.py (a test keeps the two in step).
 ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton", "flex")
+# `quantization=` values (vLLM's setting, chapter 12: models/quantization.py): int8 and int4
+# quantize the float checkpoint at load; gguf reads the model's 4-bit blocks from its GGUF file.
+QUANTIZATION_METHODS = ("int8", "int4", "gguf")
 # RoPE variants whose frequencies do not depend on the sequence length, so they can be computed
 # once when the model is built (dynamic NTK scaling would need recomputing per step).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -325,6 +328,12 @@ class EngineConfig:
         "(processed: after logit_bias, penalties, the min_tokens ban, temperature, top-k/p), "
         "as logprobs or as logits",
         LOGPROBS_MODES,
+    )
+    quantization: str | None = setting(
+        None,
+        "weights in fewer bits (chapter 12): int8 per output channel or int4 in groups of 32, "
+        "quantized at load; gguf: the embedded model's own 4-bit blocks from its GGUF file",
+        QUANTIZATION_METHODS,
     )
     enforce_eager: bool = setting(
         os.environ.get("MINIVLLM_ENFORCE_EAGER") == "1",

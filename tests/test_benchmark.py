@@ -231,6 +231,7 @@ def test_engine_settings_name_a_backend_and_the_parallel_sizes(tiny_model_dirs):
         "enforce_eager": False,
         "attention_backend": "flex",
     }
+    assert engine_overrides("int4,eager") == {"quantization": "int4", "enforce_eager": True}
     with pytest.raises(ValueError, match="unknown engine setting 'pp=2'"):
         run_benchmark(BenchmarkContext.load(tiny_model_dirs["llama"]), None, ["engine:pp=2"])
 

@@ -27,8 +27,13 @@ FIXED_SHAPES = dict(block_sizes=(16,), head_dims=(16,), kv_heads=(3,), max_group
 @settings(max_examples=15, deadline=None)
 @given(batch=paged_batches(max_cached=100, max_new=40, **FIXED_SHAPES))
 def test_flex_backend_equals_attention(batch):
-    """Decodes (one batched call) and prefill chunks that start mid-sequence (one call each)."""
+    """Decodes (one batched call) and prefill chunks that start mid-sequence (one call each),
+    reading the pool's table of block owners as the engine's steps do (one shape for every
+    step: rows for the strategy's 5 sequences at most)."""
     step = backend_step(batch)
+    flex_paged._owner_tables[step.cache] = flex_paged.BlockOwnerTable(
+        step.cache.num_blocks, 5, step.cache.layers[0].device
+    )
     backend = flex_paged.FlexPagedAttention(step.cache, step.metadata)
     out = backend(0, step.q, step.new_k, step.new_v)
     assert out.shape == step.q.shape
@@ -148,7 +153,8 @@ def test_the_kept_table_of_block_owners_is_a_fresh_one_at_every_step(steps):
         table = kept.update(metadata, OWNER_BLOCK_SIZE)
         fresh = flex_paged.block_owners(metadata, POOL_BLOCKS, OWNER_BLOCK_SIZE)
         assert table.shape == (MAX_SEQS, POOL_BLOCKS + 1)
-        assert torch.equal(table[: metadata.num_seqs], fresh)
+        assert torch.equal(table[: metadata.num_seqs], fresh[: metadata.num_seqs])
+        assert (fresh[metadata.num_seqs :] == -1).all()
         assert (table[metadata.num_seqs :] == -1).all()
         for row, (table_row, n) in enumerate(
             zip(metadata.block_tables_list, metadata.seq_lens_list)

@@ -311,7 +311,7 @@ def test_a_worker_makes_its_gpu_current_before_loading_the_model(monkeypatch, tm
     class Loaded(Exception):
         """Stops the worker where the real one would start filling the GPU."""
 
-    def load_model(path, dtype, device, tp):
+    def load_model(path, dtype, device, tp, quantization=None):
         calls.append(("load_model", device))
         raise Loaded
 

@@ -138,11 +138,15 @@ def block_owners(
     metadata: AttentionMetadata, num_pool_blocks: int, block_size: int
 ) -> torch.Tensor:
     """The step's table of block owners, made afresh: row s, column b is the logical index of
-    pool block b in the step's sequence s, or -1 (one spare column at the end). The backend
-    keeps one on the device instead (`BlockOwnerTable`); this is the same table, for one step."""
+    pool block b in the step's sequence s, or -1 (one spare column at the end; rows padded to
+    a power of two, a shape the compiled kernel meets again). The backend keeps one on the
+    device instead (`BlockOwnerTable`); this is the same table, for one step."""
     columns, logical = owned_blocks(metadata, num_pool_blocks, block_size)
     table = torch.full(
-        (metadata.num_seqs, num_pool_blocks + 1), -1, dtype=torch.int32, device=columns.device
+        (bucket(metadata.num_seqs), num_pool_blocks + 1),
+        -1,
+        dtype=torch.int32,
+        device=columns.device,
     )
     return table.scatter_(1, columns, logical)
 
@@ -154,13 +158,14 @@ class BlockOwnerTable:
     thousands of columns per sequence. Made afresh it would be allocated and filled with -1
     every step; this one is filled once, and each step first erases the entries the step before
     wrote, then writes its own: work in proportion to the block tables, not to the pool. Its
-    shape never changes (rows for `max_num_seqs` sequences), so the compiled kernel that reads
+    shape never changes (rows for `max_num_seqs` sequences, rounded up to the largest decode
+    bucket), so the compiled kernel that reads
     it is the same from step to step."""
 
     def __init__(self, num_pool_blocks: int, max_num_seqs: int, device: torch.device):
         self.num_pool_blocks = num_pool_blocks
         self.table = torch.full(
-            (max_num_seqs, num_pool_blocks + 1), -1, dtype=torch.int32, device=device
+            (bucket(max_num_seqs), num_pool_blocks + 1), -1, dtype=torch.int32, device=device
         )
         self.written: torch.Tensor | None = None  # the columns the last step wrote, per row
 
@@ -316,7 +321,8 @@ class FlexPagedAttention(PagedAttentionBackend):
         layer = kv_cache.layers[0]
         num_kv_heads, head_dim, block_size = layer.shape[3], layer.shape[4], kv_cache.block_size
         check_block_size(block_size, layer.device)
-        _owner_tables[kv_cache] = BlockOwnerTable(kv_cache.num_blocks, max_num_seqs, layer.device)
+        owners = BlockOwnerTable(kv_cache.num_blocks, max_num_seqs, layer.device)
+        _owner_tables[kv_cache] = owners
         capacity = kv_cache.num_blocks * block_size
         shapes = [(n, 1) for n in _powers_of_two_up_to(max_num_seqs)]
         shapes += [(1, n) for n in _powers_of_two_up_to(min(max_num_tokens, capacity), 16)]
@@ -330,8 +336,15 @@ class FlexPagedAttention(PagedAttentionBackend):
                 device=layer.device,
             )
             group = num_heads // num_kv_heads
+            # The table the steps will read: the kernel is compiled for its shape.
+            physical_to_logical = owners.update(metadata, block_size)
             call = build_call(
-                metadata, list(range(num_seqs)), kv_cache.num_blocks, block_size, group
+                metadata,
+                list(range(num_seqs)),
+                kv_cache.num_blocks,
+                block_size,
+                group,
+                physical_to_logical,
             )
             q = torch.zeros(
                 query_len * num_seqs, num_heads, head_dim, dtype=layer.dtype, device=layer.device

@@ -126,8 +126,8 @@ def generate_static_batch(
     model: LlamaForCausalLM, requests: list[Request], sampler: Sampler
 ) -> StaticBatchStats:
     """Run `requests` to completion as one static batch; their outputs are filled in place."""
-    device = model.model.embed_tokens.weight.device
-    dtype = model.model.embed_tokens.weight.dtype
+    device = model.device
+    dtype = model.dtype
     # Every row advances one slot per decode step, finished or not, for as many steps as the
     # longest output: so each row needs room for the longest prompt plus the longest output.
     max_len = max(len(r.prompt_token_ids) for r in requests) + max(r.max_tokens for r in requests)

@@ -47,7 +47,7 @@ def generate_without_cache(
     eos_token_id: int | None = None,
 ) -> list[int]:
     """Greedy decoding that reruns the model over the full sequence at every step."""
-    device = model.model.embed_tokens.weight.device
+    device = model.device
     tokens = list(prompt_token_ids)
     generated: list[int] = []
     for _ in range(max_new_tokens):

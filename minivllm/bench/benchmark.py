@@ -24,7 +24,7 @@ import torch
 from minivllm.baselines.kv_cache import generate_static_batch
 from minivllm.baselines.naive import generate_with_transformers, generate_without_cache
 from minivllm.bench.workloads import Workload
-from minivllm.config import EngineConfig, ModelConfig, resolve_dtype
+from minivllm.config import QUANTIZATION_METHODS, EngineConfig, ModelConfig, resolve_dtype
 from minivllm.core.request import Request
 from minivllm.models.linear import linear, pack_weight
 from minivllm.models.llama import LlamaForCausalLM
@@ -46,8 +46,9 @@ class BenchmarkContext:
     batch_size: int = 16  # rows per static batch
     hf_cb_max_batch_tokens: int | None = None  # generate_batch's budget (None: its default)
     engine_args: dict = field(default_factory=dict)  # extra LLM(...) arguments for engines
-    # What follows "engine:" in a method's name: an attention backend (chapter 06) and/or
-    # tp=N, dp=M (chapter 07), comma-separated; see `engine_overrides`.
+    # What follows "engine:" in a method's name: an attention backend (chapter 06), tp=N,
+    # dp=M (chapter 07), eager or compiled (chapter 11), a quantization (chapter 12),
+    # comma-separated; see `engine_overrides`.
     engine_setting: str = ""
     # method name (with ":setting" when there is one) -> its LLM
     engines: dict = field(default_factory=dict, repr=False)
@@ -103,7 +104,7 @@ class BenchmarkContext:
 
     @property
     def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
+        return self.model.device
 
 
 @dataclass
@@ -513,12 +514,14 @@ ENGINE_SETTING_NAMES = {"tp": "tensor_parallel_size", "dp": "data_parallel_size"
 def engine_overrides(setting: str) -> dict:
     """ "dp=2,flex" -> {"data_parallel_size": 2, "attention_backend": "flex"}: the LLM
     arguments an engine method's setting asks for ("eager" and "compiled" choose
-    enforce_eager, chapter 11)."""
+    enforce_eager, chapter 11; "int8", "int4" and "gguf" the quantization, chapter 12)."""
     overrides = {}
     for item in filter(None, setting.split(",")):
         key, equals, value = item.partition("=")
         if item in ("eager", "compiled"):
             overrides["enforce_eager"] = item == "eager"
+        elif item in QUANTIZATION_METHODS:
+            overrides["quantization"] = item
         elif not equals:
             overrides["attention_backend"] = item
         elif key in ENGINE_SETTING_NAMES:
@@ -526,7 +529,7 @@ def engine_overrides(setting: str) -> dict:
         else:
             raise ValueError(
                 f"unknown engine setting {item!r}; use an attention backend name, eager, "
-                "compiled, tp=N or dp=M"
+                "compiled, int8, int4, gguf, tp=N or dp=M"
             )
     return overrides
 

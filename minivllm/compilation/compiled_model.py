@@ -84,7 +84,7 @@ class CompiledModel:
         each once on dummy tokens through `make_attention(num_tokens)`, a backend over a
         scratch pool. Returns the seconds it took."""
         start = time.perf_counter()
-        device = self.model.model.embed_tokens.weight.device
+        device = self.model.device
         for num_tokens in tqdm((1, 2), desc="compiling the model (torch.compile)", unit="graph"):
             # Made in inference mode, as every step's inputs are: a graph is guarded on how
             # its inputs were made, and one traced on ordinary tensors would not serve a step.

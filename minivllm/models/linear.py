@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minivllm.models.quantization import Int4Weight, Int8Weight
+
 
 @functools.cache
 def _onednn_dtypes() -> frozenset[torch.dtype]:
@@ -114,9 +116,11 @@ def linear(
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same names) whose product goes through `linear`, on a
-    packed copy of the weight once `pack` has run."""
+    packed copy of the weight once `pack` has run, or on a quantized weight (chapter 12) once
+    `quantize` has."""
 
     packed_weight: torch.Tensor | None = None
+    quantized: Int8Weight | Int4Weight | None = None
 
     def reset_parameters(self) -> None:
         """No random initialisation: every weight is read from a checkpoint (models/loader.py),
@@ -124,7 +128,23 @@ class Linear(nn.Linear):
 
     def pack(self) -> None:
         """Make the packed copy; call once the weight is final (loaded, in its dtype)."""
-        self.packed_weight = pack_weight(self.weight)
+        if self.quantized is None:
+            self.packed_weight = pack_weight(self.weight)
+
+    def quantize(self, weight: Int8Weight | Int4Weight) -> None:
+        """Multiply by `weight` from now on; the float weight is dropped (one copy only)."""
+        self.quantized = weight
+        self.weight = None
+        self.packed_weight = None
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T, without the bias."""
+        if self.quantized is not None:
+            return self.quantized.matmul(x)
+        return linear(x, self.weight, None, self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed_weight)
+        if self.quantized is None:  # oneDNN adds the bias inside its product
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        out = self.quantized.matmul(x)
+        return out if self.bias is None else out + self.bias

@@ -44,6 +44,7 @@ from minivllm.models.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from minivllm.models.quantization import INT4_GROUP_SIZE, Int8Weight, quantize_weight
 
 
 class AttentionBackend(Protocol):
@@ -253,6 +254,17 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attention, num_layers)
 
     @property
+    def device(self) -> torch.device:
+        """Where the model is (read from the final norm: a quantized model, chapter 12, has no
+        float embedding table)."""
+        return self.model.norm.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (norms stay in it, whatever the linear layers store)."""
+        return self.model.norm.weight.dtype
+
+    @property
     def logits_layer(self) -> VocabParallelEmbedding:
         """The matrix that turns hidden states into logits: the LM head, or the embedding."""
         return self.model.embed_tokens if self.lm_head is None else self.lm_head
@@ -268,6 +280,16 @@ class LlamaForCausalLM(nn.Module):
         one row that is used.
         """
         return self.logits_layer.compute_logits(hidden)
+
+    def quantize_weights(self, method: str, group_size: int = INT4_GROUP_SIZE) -> None:
+        """Chapter 12: every linear layer's weight in `method`'s scheme ("int8" per output
+        channel, "int4" in groups of `group_size`), the embedding table (the LM head when
+        tied) and an untied LM head in int8; the float copies are dropped."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize(quantize_weight(module.weight, method, group_size))
+        for table in {id(t): t for t in (self.model.embed_tokens, self.logits_layer)}.values():
+            table.quantize(Int8Weight.from_float(table.weight))
 
     def pack_weights(self) -> None:
         """Rearrange every weight matrix once into the layout the CPU product reads

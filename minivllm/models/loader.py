@@ -27,8 +27,15 @@ from safetensors.torch import save_file
 
 from minivllm.config import ModelConfig
 from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
+from minivllm.models.linear import Linear
 from minivllm.models.llama import LlamaForCausalLM, RotaryEmbedding
 from minivllm.models.parallel_layers import default_weight_loader
+from minivllm.models.quantization import (
+    Q4_1_BLOCK,
+    Int4Weight,
+    Int8Weight,
+    read_q4_1_linear_weights,
+)
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_MODEL_ALIASES = (EMBEDDED_MODEL_NAME, "HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -141,12 +148,14 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     tp: TensorParallelGroup = SINGLE_PROCESS,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build our model for the directory's config, fill it with the directory's weights and
     pack them for the CPU's matrix products (`LlamaForCausalLM.pack_weights`).
 
     With tensor parallelism (`tp`, chapter 07) this process builds and fills only its rank's
-    share of every layer.
+    share of every layer. With `quantization` (chapter 12) the weights are then quantized:
+    "int8" or "int4" from the float checkpoint, "gguf" read from the model's GGUF file.
     """
     config = load_model_config(path)
     # Our layers skip random initialisation (`Linear.reset_parameters`): building allocates
@@ -179,8 +188,64 @@ def load_model(
     # RoPE frequencies are computed, not loaded, and stay float32 whatever the weights' dtype:
     # rebuild them on the model's device.
     model.model.rotary_emb = RotaryEmbedding(config).to(device)
+    if quantization == "gguf":
+        load_gguf_linear_weights(model, gguf_file_of(path))
+    elif quantization is not None:
+        model.quantize_weights(quantization)
     model.pack_weights()
     return model.eval()
+
+
+def gguf_file_of(path: Path) -> Path:
+    """The GGUF file a model directory was converted from: the embedded model's own, or the
+    one `*.gguf` file in the directory."""
+    if path.resolve() == (cache_dir() / EMBEDDED_MODEL_NAME).resolve():
+        return embedded_gguf_path()
+    files = sorted(path.glob("*.gguf"))
+    if len(files) != 1:
+        raise ValueError(
+            f"quantization='gguf' reads the weights of the model's GGUF file: {path} has "
+            f"{len(files)} *.gguf files, not one"
+        )
+    return files[0]
+
+
+def load_gguf_linear_weights(model: LlamaForCausalLM, gguf_path: Path) -> None:
+    """Chapter 12: every linear layer multiplies by the file's own Q4_1 blocks, unchanged (no
+    dequantization: the same weights llama.cpp runs). The blocks go through the layers' own
+    weight loaders, as the float weights did: a block covers 32 weights of one row, so the
+    rows a loader stacks (q, k, v into qkv_proj) or a rank's share of the columns carry their
+    blocks' scales and minimums along. The embedding table (Q8_0 in the file) is taken from
+    the float checkpoint, which holds it dequantized, and stored in int8 per row."""
+    config = model.config
+    file_weights = read_q4_1_linear_weights(gguf_path, config.num_heads, config.num_kv_heads)
+    parts_by_layer: dict[str, tuple[torch.Tensor, ...]] = {}
+    for name, parts in file_weights.items():
+        target, shard_id = parameter_for_checkpoint_name(name)
+        layer = model.get_submodule(target.removesuffix(".weight"))
+        rows, columns = layer.weight.shape
+        if columns % Q4_1_BLOCK:
+            raise ValueError(f"{name}: {columns} columns a rank do not hold whole Q4_1 blocks")
+        local = parts_by_layer.setdefault(
+            target,
+            (
+                torch.zeros(rows, columns, dtype=torch.uint8),
+                torch.zeros(rows, columns // Q4_1_BLOCK),
+                torch.zeros(rows, columns // Q4_1_BLOCK),
+            ),
+        )
+        for local_part, file_part in zip(local, parts):
+            layer.weight_loader(local_part, file_part, *([] if shard_id is None else [shard_id]))
+    layers = [n for n, m in model.named_modules() if isinstance(m, Linear)]
+    missing = sorted(set(f"{n}.weight" for n in layers) - set(parts_by_layer))
+    if missing:
+        raise ValueError(f"{gguf_path} has no Q4_1 weight for {missing[:5]}")
+    for target, parts in parts_by_layer.items():
+        layer = model.get_submodule(target.removesuffix(".weight"))
+        on_device = [part.to(layer.weight.device) for part in parts]
+        layer.quantize(Int4Weight(*on_device, group_size=Q4_1_BLOCK, dtype=model.dtype))
+    for table in {id(t): t for t in (model.model.embed_tokens, model.logits_layer)}.values():
+        table.quantize(Int8Weight.from_float(table.weight))
 
 
 # Checkpoint matrices that our model stores as one fused matrix, and which part of it each

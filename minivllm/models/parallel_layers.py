@@ -30,6 +30,7 @@ from torch import nn
 
 from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
 from minivllm.models.linear import Linear, linear, pack_weight
+from minivllm.models.quantization import Int8Weight
 from minivllm.utils import cdiv
 
 
@@ -135,8 +136,7 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
-        partial = linear(x, self.weight, None, self.packed_weight)
-        out = self.tp.all_reduce(partial)
+        out = self.tp.all_reduce(self.matmul(x))
         return out if self.bias is None else out + self.bias
 
 
@@ -157,28 +157,45 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         # This weight in oneDNN's layout, once `pack` has run (when it serves as the LM head).
         self.packed_weight: torch.Tensor | None = None
+        # Chapter 12: the table in int8 instead, once `quantize` has run (lookups and logits).
+        self.quantized: Int8Weight | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         rows = self.vocab_end - self.vocab_start
         param.data.zero_()  # padding rows stay zero
         param.data[:rows].copy_(loaded_weight[self.vocab_start : self.vocab_end])
 
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.rows(ids)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         # Each id lives on one rank: look up ours, write zeros for the others', sum over ranks.
         elsewhere = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(elsewhere, 0)
-        embedded = F.embedding(local_ids, self.weight).masked_fill(elsewhere[:, None], 0.0)
+        embedded = self.lookup(local_ids).masked_fill(elsewhere[:, None], 0.0)
         return self.tp.all_reduce(embedded)
 
     def pack(self) -> None:
-        self.packed_weight = pack_weight(self.weight)
+        if self.quantized is None:
+            self.packed_weight = pack_weight(self.weight)
+
+    def quantize(self, weight: Int8Weight) -> None:
+        """Look up and multiply by `weight` from now on; the float table is dropped."""
+        self.quantized = weight
+        self.weight = None
+        self.packed_weight = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Used as the LM head: the logits of this rank's vocabulary rows, gathered on rank 0
         into [n, vocab] (None on the other ranks)."""
-        local_logits = linear(hidden, self.weight, None, self.packed_weight)
+        if self.quantized is not None:
+            local_logits = self.quantized.matmul(hidden)
+        else:
+            local_logits = linear(hidden, self.weight, None, self.packed_weight)
         logits = self.tp.gather(local_logits, dim=-1)
         return None if logits is None else logits[:, : self.num_embeddings]
 

@@ -70,7 +70,7 @@ class DraftModelProposer:
         self.k = num_speculative_tokens
         # The most tokens one catch-up forward reads (the step's budget); None: no bound.
         self.max_num_tokens = max_num_tokens
-        self.device = model.model.embed_tokens.weight.device
+        self.device = model.device
 
     @torch.inference_mode()
     def propose_batch(self, requests: list[ProposalRequest]) -> list[Proposal]:

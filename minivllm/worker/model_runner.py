@@ -57,7 +57,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.sampler = sampler
         self.proposer = proposer  # chapter 08: drafts for the next step, or None
-        self.device = model.model.embed_tokens.weight.device
+        self.device = model.device
         self.requests: dict[str, CachedRequestState] = {}  # every request the runner holds
 
     @torch.inference_mode()

@@ -89,7 +89,7 @@ class Worker:
         backend_name = resolve_attention_backend_name(config.attention_backend, self.device)
         # Decided before the model takes memory: a backend may refuse the device or fall back.
         self.attention_backend = get_attention_backend(backend_name).for_device(self.device)
-        self.model = load_model(model_path, self.dtype, self.device, tp)
+        self.model = load_model(model_path, self.dtype, self.device, tp, config.quantization)
         # This rank's KV pool holds its own KV heads only.
         self.rank_model_config = self.model.config.per_rank(tp.size)
         # Chapter 08: a draft model and the shapes of its own KV pool, or None.

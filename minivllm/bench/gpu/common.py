@@ -196,7 +196,7 @@ class Run:
 
     @property
     def device(self) -> torch.device:
-        return self.model.model.embed_tokens.weight.device
+        return self.model.device
 
     def context(self, **settings) -> BenchmarkContext:
         """A fresh benchmark context on the shared model: its own engines, its own settings."""
@@ -296,7 +296,7 @@ def decode_step_seconds(
     default; chapter 07 times a bfloat16 copy)."""
     context = run.sizes.decode_context if context is None else context
     model = model or run.model
-    config, dtype = model.config, model.model.embed_tokens.weight.dtype
+    config, dtype = model.config, model.dtype
     cache = ContiguousKVCache(config, rows, context + 1, dtype, run.device)
     cache.keys.normal_()
     cache.values.normal_()

@@ -1,0 +1,288 @@
+"""Chapter 12 — weight-only quantization: fewer bytes per weight, the same products.
+
+A batch-1 decode step reads every weight of the model once to make one token, and does two
+floating-point operations per weight read: on any CPU or GPU that is far below what the
+arithmetic units could do, so the bytes, not the FLOPs, set the speed. Storing the weights in
+fewer bits makes each step read fewer bytes. Weight-only quantization keeps the activations
+(and the KV cache) in the model's dtype and stores only the weights as small integers with a
+few floating-point numbers that say how to turn them back:
+
+    int8, per output channel:   w[n, k] ~ q[n, k] * scale[n]                    q in -127..127
+    int4, group-wise:           w[n, k] ~ q[n, k] * scale[n, g] + minimum[n, g]  q in 0..15,
+                                                                   g = k // group_size
+
+int8 gives each row of the weight one scale (its largest magnitude over 127); int4 has only 16
+levels, so one range per row would be too coarse: each group of 32 (or 64) weights along a row
+gets its own scale and minimum. That is llama.cpp's Q4_1 layout, the one the embedded model's
+GGUF file ships in (`load_gguf_linear_weights`), so minivllm can run the file's own 4-bit
+weights.
+
+The products dequantize inside the kernel: PyTorch's `_weight_int8pack_mm` (CPU and CUDA) and
+its int4 kernels (`_weight_int4pack_mm_for_cpu`; tinygemm's `_weight_int4pack_mm` on CUDA,
+bfloat16 only) read the small integers and their scales and never write a float copy of the
+weight. Where no kernel fits (a shape or dtype the kernel refuses), `Int4Weight` multiplies by a
+dequantized copy made per call: correct and slow; `kernel` says which ran. The tinygemm kernels
+store a group as (scale, zero) with w = (q - 8) * scale + zero, so zero = minimum + 8 * scale.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+INT4_GROUP_SIZE = 32  # weights per scale and minimum: Q4_1's block
+INT8_LEVELS = 127  # symmetric: -127..127 (-128 left out, so that q and -q both exist)
+INT4_LEVELS = 15  # 0..15
+
+
+# --- the schemes, as plain functions: what the kernels compute, written out -------------------
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per output channel (row): q = round(w / scale), scale = max |w| of the row / 127.
+    Returns q [N, K] int8 and scale [N] float32."""
+    weight = weight.float()
+    scale = weight.abs().amax(dim=1) / INT8_LEVELS
+    scale = torch.where(scale > 0, scale, 1.0)  # an all-zero row: any scale, q = 0
+    q = torch.round(weight / scale[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS)
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return q.float() * scale.float()[:, None]
+
+
+def quantize_int4(
+    weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group-wise, asymmetric: each run of `group_size` weights along a row is mapped onto
+    0..15 between its own minimum and maximum, q = round((w - minimum) / scale) with
+    scale = (maximum - minimum) / 15. Returns q [N, K] uint8, scale and minimum [N, K / group]
+    float32."""
+    rows, columns = weight.shape
+    if columns % group_size:
+        raise ValueError(f"int4 groups of {group_size} do not divide a row of {columns} weights")
+    groups = weight.float().reshape(rows, columns // group_size, group_size)
+    minimum, maximum = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = (maximum - minimum) / INT4_LEVELS
+    scale = torch.where(scale > 0, scale, 1.0)  # a constant group: q = 0, w = minimum
+    q = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp(0, INT4_LEVELS)
+    return q.reshape(rows, columns).to(torch.uint8), scale, minimum
+
+
+def dequantize_int4(
+    q: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    rows, columns = q.shape
+    groups = q.float().reshape(rows, columns // group_size, group_size)
+    weight = groups * scale.float()[..., None] + minimum.float()[..., None]
+    return weight.reshape(rows, columns)
+
+
+# --- the weights the layers hold ---------------------------------------------------------------
+
+
+# Rows of activations up to which a product reads the int8 weight in the fused kernel. The
+# kernel is a matrix-vector loop: for a decode step's few rows it reads 1 byte a weight where
+# the float product reads 4 (or 2); for a prompt's hundreds of rows the float product's tiled
+# kernel wins even after the weight is dequantized for it, once per call.
+INT8_FUSED_MAX_ROWS = 4
+
+
+class Int8Weight:
+    """An int8 weight [N, K] with one scale per row, multiplied by `_weight_int8pack_mm` (CPU
+    and CUDA: it reads the int8 values and applies the row's scale to each output) for a few
+    rows, by the float product on the dequantized weight for many (INT8_FUSED_MAX_ROWS)."""
+
+    kernel = "aten._weight_int8pack_mm"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self.q = q
+        self.scale = scale.to(dtype)  # the kernel wants the activations' dtype
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Weight:
+        return cls(*quantize_int8(weight), dtype=weight.dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T for x [..., K]."""
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= INT8_FUSED_MAX_ROWS:
+            out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale)
+        else:
+            out = F.linear(flat, self.q.to(x.dtype) * self.scale[:, None])
+        return out.reshape(*x.shape[:-1], self.q.shape[0])
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows `ids`: an embedding lookup from the same table."""
+        return self.q[ids].to(self.scale.dtype) * self.scale[ids, None]
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """Which kernel multiplies an int4 weight, and the packing it reads."""
+
+    kernel: str  # "cpu", "cuda" (tinygemm) or "reference"
+    inner_k_tiles: int = 0  # tinygemm's packing: K must be a multiple of inner_k_tiles * 16
+
+
+def int4_layout(shape: torch.Size, group_size: int, dtype: torch.dtype, device) -> Int4Layout:
+    """The CPU kernel takes float32, bfloat16 and float16, N a multiple of 16 (its packing
+    tiles the rows by 16) and any K that groups divide; tinygemm on CUDA takes bfloat16 only,
+    N a multiple of 8, groups of 32-256 and K a multiple of 32 (its packing tiles K by
+    16 x inner_k_tiles)."""
+    rows, columns = shape
+    device = torch.device(device)
+    if device.type == "cpu":
+        return Int4Layout("cpu" if rows % 16 == 0 else "reference")
+    if device.type == "cuda" and dtype == torch.bfloat16 and rows % 8 == 0 and group_size >= 32:
+        for tiles in (8, 4, 2):
+            if columns % (tiles * 16) == 0:
+                return Int4Layout("cuda", tiles)
+    return Int4Layout("reference")
+
+
+class Int4Weight:
+    """A group-wise int4 weight [N, K], packed once for the device's kernel (two values a
+    byte); only the packed values and each group's scale and zero are kept."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        group_size: int,
+        dtype: torch.dtype,
+    ):
+        self.shape = q.shape
+        self.group_size = group_size
+        self.dtype = dtype
+        self.layout = int4_layout(q.shape, group_size, dtype, q.device)
+        if self.layout.kernel == "reference":
+            self.q, self.scale, self.minimum = q, scale, minimum
+            return
+        # tinygemm's (scale, zero) per group, [K / group, N, 2]: w = (q - 8) * scale + zero.
+        zero = minimum + 8 * scale
+        self.scale_and_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        if self.layout.kernel == "cpu":
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+        else:  # CUDA: two values a byte, the even column in the high nibble
+            pairs = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(
+                pairs, self.layout.inner_k_tiles
+            )
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Weight:
+        return cls(*quantize_int4(weight, group_size), group_size=group_size, dtype=weight.dtype)
+
+    @property
+    def kernel(self) -> str:
+        return {
+            "cpu": "aten._weight_int4pack_mm_for_cpu",
+            "cuda": "aten._weight_int4pack_mm (tinygemm)",
+            "reference": "dequantize + F.linear (reference)",
+        }[self.layout.kernel]
+
+    @property
+    def nbytes(self) -> int:
+        if self.layout.kernel == "reference":
+            return self.q.nbytes + self.scale.nbytes + self.minimum.nbytes
+        return self.packed.nbytes + self.scale_and_zero.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ w.T for x [..., K]."""
+        flat = x.reshape(-1, x.shape[-1])
+        if self.layout.kernel == "cpu":
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.packed, self.group_size, self.scale_and_zero
+            )
+        elif self.layout.kernel == "cuda":
+            out = torch.ops.aten._weight_int4pack_mm(
+                flat, self.packed, self.group_size, self.scale_and_zero
+            )
+        else:
+            weight = dequantize_int4(self.q, self.scale, self.minimum, self.group_size)
+            out = F.linear(flat, weight.to(x.dtype))
+        return out.reshape(*x.shape[:-1], self.shape[0])
+
+
+def quantize_weight(
+    weight: torch.Tensor, method: str, group_size: int = INT4_GROUP_SIZE
+) -> Int8Weight | Int4Weight:
+    """A linear layer's weight [N, K] in `method`'s scheme ("int8" or "int4")."""
+    if method == "int8":
+        return Int8Weight.from_float(weight)
+    if method == "int4":
+        return Int4Weight.from_float(weight, group_size)
+    raise ValueError(f"no weight quantization {method!r}: it is 'int8' or 'int4'")
+
+
+# --- the shipped Q4_1 file, as it is ------------------------------------------------------------
+
+# llama.cpp's Q4_1 block: 32 weights of a row in 20 bytes, a float16 scale d, a float16 minimum
+# m, then 16 bytes of 4-bit values: byte j holds weight j in its low nibble and weight j + 16 in
+# its high one. Weight = q * d + m: the int4 scheme above, with groups of 32.
+Q4_1_BLOCK = 32
+Q4_1_BLOCK_BYTES = 2 + 2 + Q4_1_BLOCK // 2
+
+# GGUF's tensor names -> Hugging Face's (what our weight loaders are keyed by), per layer.
+GGUF_LINEAR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A Q4_1 tensor's bytes [N, K / 32 * 20] -> q [N, K] uint8, scale and minimum [N, K / 32]
+    float32, without dequantizing a weight."""
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, Q4_1_BLOCK_BYTES)
+    scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    minimum = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    nibbles = blocks[..., 4:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # weights 0-15, then 16-31
+    return q.reshape(rows, -1), scale, minimum
+
+
+def reverse_rope_permutation(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp stores q_proj's and k_proj's rows permuted (its rotary embedding pairs
+    neighbouring dimensions, Hugging Face's pairs the two halves of a head); this undoes it, as
+    transformers does when it reads a GGUF file. Whole rows move, so quantized rows (and their
+    scales) move with them unchanged."""
+    half = rows.shape[0] // num_heads // 2
+    shaped = rows.reshape(num_heads, half, 2, *rows.shape[1:])
+    return shaped.transpose(1, 2).reshape(rows.shape)
+
+
+def read_q4_1_linear_weights(gguf_path, num_heads: int, num_kv_heads: int):
+    """Hugging Face name -> (q, scale, minimum) of every Q4_1 linear weight in a GGUF file."""
+    from gguf import GGMLQuantizationType, GGUFReader
+
+    weights = {}
+    for tensor in GGUFReader(str(gguf_path)).tensors:
+        block, _, kind = tensor.name.partition(".")[2].partition(".")
+        kind = kind.removesuffix(".weight")
+        if kind not in GGUF_LINEAR_NAMES or tensor.tensor_type != GGMLQuantizationType.Q4_1:
+            continue
+        parts = unpack_q4_1(torch.from_numpy(tensor.data.copy()))
+        if kind in ("attn_q", "attn_k"):
+            heads = num_heads if kind == "attn_q" else num_kv_heads
+            parts = tuple(reverse_rope_permutation(part, heads) for part in parts)
+        weights[f"model.layers.{block}.{GGUF_LINEAR_NAMES[kind]}.weight"] = parts
+    return weights
