@@ -160,10 +160,11 @@ def test_engines_with_different_attention_backends_run_side_by_side(tiny_model_d
     """ "engine:flex" builds its own engine on the flex backend next to the default one; both
     give the same greedy tokens."""
     ctx = BenchmarkContext.load(tiny_model_dirs["mistral"])
-    # Few shapes to compile, and a small pool (flex compiles for the pool size).
+    # Few shapes to compile (decodes of 1 and 2 sequences, chunks of 16 tokens), and a small
+    # pool (flex compiles for the pool size).
     ctx.engine_args = {
         "max_num_seqs": 2,
-        "max_num_batched_tokens": 32,
+        "max_num_batched_tokens": 16,
         "kv_cache_memory_bytes": 2**20,
     }
     workload = Workload("tiny", [[5, 6, 7, 8], [9] * 13], [4, 6], "two requests")

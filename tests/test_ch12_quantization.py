@@ -4,10 +4,15 @@ The schemes are checked against their definitions (every weight within half a st
 level, the levels each row or group spans), each kernel's product against the product with its
 dequantized weight, the Q4_1 reader against the gguf library's own dequantization of the
 embedded model's file, and the engines: a quantized engine's greedy tokens are transformers'
-greedy tokens on the model whose weights are the dequantized ones.
+greedy tokens on the model whose weights are the dequantized ones. Then an engine's memory: a
+CPU pool is resident only where written, and the metrics say how much that is.
 """
 
 from __future__ import annotations
+
+import math
+import os
+import sys
 
 import pytest
 import torch
@@ -205,3 +210,91 @@ def test_gguf_runs_the_embedded_files_own_blocks(embedded_dir):
 def test_an_unknown_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization"):
         LLM(quantization="int3")
+
+
+# --- an engine's memory -------------------------------------------------------------------------
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux's /proc: pages actually held)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_cpu_pool_is_paid_for_as_its_blocks_are_written(tiny_model_dirs):
+    """A 512 MiB pool costs next to nothing until written; it reads as zeros; writing one
+    block makes about that block resident, not the pool."""
+    from minivllm.attention.backend import PagedKVCache
+    from minivllm.models.loader import load_model_config
+
+    config = load_model_config(tiny_model_dirs[ENGINE_TEST_FAMILY])
+    bytes_per_block = 16 * config.kv_bytes_per_token(torch.float32)
+    num_blocks = (512 << 20) // bytes_per_block
+    before = resident_bytes()
+    pool = PagedKVCache(config, num_blocks, 16, torch.float32, "cpu")
+    assert resident_bytes() - before < 32 << 20
+    assert sum(layer.numel() for layer in pool.layers) * 4 >= 500 << 20
+    assert all(
+        layer.dtype == torch.float32 and layer.shape[1] == num_blocks for layer in pool.layers
+    )
+    assert not pool.layers[0][:, 1000:1010].any()  # zeros, wherever one reads
+    pool.layers[0][:, 7].fill_(1.0)
+    assert resident_bytes() - before < 32 << 20
+
+
+def test_metrics_report_the_pool_and_the_bytes_its_requests_wrote(tiny_model_dirs):
+    """minivllm:kv_cache_bytes is the pool; minivllm:kv_cache_touched_bytes the blocks handed
+    out at least once, each holding block_size tokens of K and V in every layer."""
+    from minivllm.models.loader import load_model_config
+
+    path = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    config = load_model_config(path)
+    llm = LLM(model=str(path), kv_cache_memory_bytes=2**24, enable_prefix_caching=False)
+    bytes_per_block = 16 * 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+
+    def metric(name):
+        return {m.name: m.value for m in llm.get_metrics()}[name]
+
+    num_blocks = llm.llm_engine.kv_cache_manager.num_blocks
+    assert metric("minivllm:kv_cache_bytes") == num_blocks * bytes_per_block
+    assert metric("minivllm:kv_cache_touched_bytes") == 0
+    prompts = [{"prompt_token_ids": [5] * 40}, {"prompt_token_ids": [7] * 10}]
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    # 40 + 8 tokens fill 3 blocks of 16, 10 + 8 fill 2: 5 blocks, all different.
+    assert metric("minivllm:kv_cache_touched_bytes") == 5 * bytes_per_block
+    llm.generate(prompts[1:], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert metric("minivllm:kv_cache_touched_bytes") == 7 * bytes_per_block  # 2 new blocks
+
+
+# --- quality -------------------------------------------------------------------------------------
+
+
+def test_perplexity_is_transformers_loss_on_the_same_windows(tiny_model_dirs, tiny_models):
+    """The engine's perplexity of the held-out prose equals exp of transformers' mean
+    cross-entropy over the same windows (each window scored from its own start)."""
+    from minivllm.bench import quality
+
+    path = tiny_model_dirs[ENGINE_TEST_FAMILY]
+    llm = LLM(model=str(path), kv_cache_memory_bytes=2**24)
+    token_ids = quality.heldout_token_ids(llm.get_tokenizer())[:300]
+    assert len(token_ids) == 300  # the prose is a few thousand tokens
+    hf_model = tiny_models(ENGINE_TEST_FAMILY)[1]
+    losses, count = 0.0, 0
+    with torch.no_grad():
+        for window in quality.windows(token_ids, 128):
+            ids = torch.tensor([window])
+            logits = hf_model(ids).logits[0, :-1].double()
+            losses += torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+            count += len(window) - 1
+    expected = math.exp(losses / count)
+    assert quality.perplexity(llm, token_ids, window=128) == pytest.approx(expected, rel=1e-4)
+
+
+def test_windows_cover_the_text_and_agreement_counts_the_shared_start():
+    from minivllm.bench import quality
+
+    assert quality.windows(list(range(10)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert quality.windows(list(range(9)), 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]  # [8] scores nothing
+    assert quality.tokens_before_first_difference([1, 2, 3, 4], [1, 2, 5, 4]) == 2
+    assert quality.tokens_before_first_difference([1, 2], [1, 2, 3]) == 2

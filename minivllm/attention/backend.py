@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from minivllm.config import ModelConfig
@@ -46,9 +48,7 @@ class PagedKVCache:
         device: torch.device | str,
     ):
         shape = (2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
-        self.layers = [
-            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
-        ]
+        self.layers = [zeroed_pool(shape, dtype, device) for _ in range(config.num_layers)]
         self.num_blocks = num_blocks
         self.block_size = block_size
 
@@ -61,6 +61,18 @@ class PagedKVCache:
         both)."""
         bytes_per_token = sum(config.kv_bytes_per_token(dtype) for config in configs)
         return memory_bytes // (block_size * bytes_per_token)
+
+
+def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A tensor of zeros whose CPU memory is paid for as it is used (chapter 12). `torch.zeros`
+    writes every byte at once, so a 2 GiB pool is 2 GiB resident before the first request.
+    C's `calloc` (which NumPy's zeros calls) maps a large block from the operating system,
+    whose pages read as zeros and become resident only when first written: an engine holds
+    the blocks its requests have filled. On a GPU every byte is allocated up front anyway."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:

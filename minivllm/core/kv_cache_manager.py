@@ -41,6 +41,10 @@ class BlockPool:
     prefix_cache: PrefixCache | None = None
     ref_counts: list[int] = field(init=False)
     free_queue: OrderedDict[int, None] = field(init=False)
+    # Chapter 12: blocks handed out at least once. On a CPU the pool's memory becomes
+    # resident as blocks are first written (`zeroed_pool`): this many blocks' worth of it.
+    num_blocks_touched: int = field(init=False, default=0)
+    touched: bytearray = field(init=False, repr=False)
 
     def __post_init__(self):
         if self.num_blocks < 1:
@@ -49,6 +53,7 @@ class BlockPool:
             )
         self.ref_counts = [0] * self.num_blocks
         self.free_queue = OrderedDict.fromkeys(range(self.num_blocks))
+        self.touched = bytearray(self.num_blocks)
 
     @property
     def num_free_blocks(self) -> int:
@@ -64,6 +69,9 @@ class BlockPool:
             if self.prefix_cache is not None:  # chapter 05 hook: its old content is overwritten
                 self.prefix_cache.evict(block_id)
             self.ref_counts[block_id] = 1
+            if not self.touched[block_id]:
+                self.touched[block_id] = 1
+                self.num_blocks_touched += 1
             blocks.append(block_id)
         return blocks
 

@@ -61,6 +61,7 @@ class LLMEngine:
             self.executor = UniProcExecutor(config, self.model_path)
         num_blocks = self.executor.determine_num_kv_blocks()
         self.executor.initialize_kv_cache(num_blocks)
+        self.kv_cache_bytes_per_block = self.executor.kv_cache_bytes_per_block()
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
@@ -243,6 +244,19 @@ class LLMEngine:
                 "gauge",
                 self.kv_cache_manager.usage,  # 0 when idle: waiting requests hold no blocks
                 "Share of KV blocks held by live requests",
+            ),
+            (
+                "minivllm:kv_cache_bytes",
+                "gauge",
+                self.kv_cache_manager.num_blocks * self.kv_cache_bytes_per_block,
+                "Bytes of the KV pool",
+            ),
+            (
+                "minivllm:kv_cache_touched_bytes",
+                "gauge",
+                self.kv_cache_manager.pool.num_blocks_touched * self.kv_cache_bytes_per_block,
+                "Bytes of the KV blocks written at least once (on a CPU, the part of the pool "
+                "that is resident: its pages are allocated when first written)",
             ),
             ("vllm:num_requests_running", "gauge", len(scheduler.running), "Requests running"),
             ("vllm:num_requests_waiting", "gauge", len(scheduler.waiting), "Requests waiting"),

@@ -37,6 +37,10 @@ class Executor(ABC):
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.collective_rpc("initialize_kv_cache", (num_blocks,))
 
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one KV block takes over every worker (each rank holds its share of heads)."""
+        return sum(self.collective_rpc("kv_cache_bytes_per_block"))
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step on every worker; rank 0 samples, so its output is the step's."""
         return self.collective_rpc("execute_model", (scheduler_output,))[0]

@@ -122,25 +122,33 @@ class Worker:
     def determine_num_kv_blocks(self) -> int:
         """Blocks that fit the KV budget: kv_cache_memory_bytes, or on CUDA what is left of
         gpu_memory_utilization after a profiling forward at the largest batch."""
-        config, model_config = self.config, self.rank_model_config
+        config = self.config
         budget = config.kv_cache_memory_bytes
         if budget is None and self.device.type == "cuda":
             budget = self._profile_free_gpu_memory()
         if budget is None:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        pools = [model_config] + ([self.draft_config] if self.draft_config else [])
         num_blocks = PagedKVCache.num_blocks_for_budget(
-            pools, config.block_size, self.dtype, budget
+            self.kv_pool_configs, config.block_size, self.dtype, budget
         )
         if num_blocks < 1:
-            bytes_per_block = config.block_size * sum(
-                pool.kv_bytes_per_token(self.dtype) for pool in pools
-            )
+            bytes_per_block = self.kv_cache_bytes_per_block()
             raise ValueError(
                 f"kv_cache_memory_bytes={budget} holds no KV block; one block of "
                 f"{config.block_size} tokens needs {bytes_per_block} bytes"
             )
         return num_blocks
+
+    @property
+    def kv_pool_configs(self) -> list[ModelConfig]:
+        """The shapes of this rank's KV pools: the model's, and a draft model's (chapter 08)."""
+        return [self.rank_model_config] + ([self.draft_config] if self.draft_config else [])
+
+    def kv_cache_bytes_per_block(self) -> int:
+        """Bytes one KV block takes in this rank's pools."""
+        return self.config.block_size * sum(
+            pool.kv_bytes_per_token(self.dtype) for pool in self.kv_pool_configs
+        )
 
     @property
     def uses_cuda_graphs(self) -> bool:
