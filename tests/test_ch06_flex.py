@@ -24,7 +24,7 @@ from minivllm.attention.torch_paged import TorchPagedAttention
 FIXED_SHAPES = dict(block_sizes=(16,), head_dims=(16,), kv_heads=(3,), max_group=3, pool_blocks=32)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(batch=paged_batches(max_cached=100, max_new=40, **FIXED_SHAPES))
 def test_flex_backend_equals_attention(batch):
     """Decodes (one batched call) and prefill chunks that start mid-sequence (one call each),
