@@ -159,8 +159,7 @@ class BlockOwnerTable:
     every step; this one is filled once, and each step first erases the entries the step before
     wrote, then writes its own: work in proportion to the block tables, not to the pool. Its
     shape never changes (rows for `max_num_seqs` sequences, rounded up to the largest decode
-    bucket), so the compiled kernel that reads
-    it is the same from step to step."""
+    bucket), so the compiled kernel that reads it is the same from step to step."""
 
     def __init__(self, num_pool_blocks: int, max_num_seqs: int, device: torch.device):
         self.num_pool_blocks = num_pool_blocks
@@ -363,9 +362,13 @@ class FlexPagedAttention(PagedAttentionBackend):
         decodes = [i for i, n in enumerate(query_lens) if n == 1]
         prefills = [[i] for i, n in enumerate(query_lens) if n > 1]  # one call each
         pool = self.kv_cache
-        # A pool that was never warmed up (a one-off forward) gets a table for this step.
+        # A pool that was never warmed up (a one-off forward) gets a table for this step, made
+        # once for all of its calls.
         owners = _owner_tables.get(pool)
-        physical_to_logical = owners.update(self.metadata, pool.block_size) if owners else None
+        if owners is not None:
+            physical_to_logical = owners.update(self.metadata, pool.block_size)
+        else:
+            physical_to_logical = block_owners(self.metadata, pool.num_blocks, pool.block_size)
         return [
             build_call(
                 self.metadata, seqs, pool.num_blocks, pool.block_size, group, physical_to_logical

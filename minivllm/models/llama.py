@@ -288,6 +288,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.quantize(quantize_weight(module.weight, method, group_size))
+        self.quantize_tables()
+
+    def quantize_tables(self) -> None:
+        """The embedding table and the LM head (one matrix when tied) in int8 per row."""
         for table in {id(t): t for t in (self.model.embed_tokens, self.logits_layer)}.values():
             table.quantize(Int8Weight.from_float(table.weight))
 

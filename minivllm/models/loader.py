@@ -33,7 +33,6 @@ from minivllm.models.parallel_layers import default_weight_loader
 from minivllm.models.quantization import (
     Q4_1_BLOCK,
     Int4Weight,
-    Int8Weight,
     read_q4_1_linear_weights,
 )
 
@@ -244,8 +243,7 @@ def load_gguf_linear_weights(model: LlamaForCausalLM, gguf_path: Path) -> None:
         layer = model.get_submodule(target.removesuffix(".weight"))
         on_device = [part.to(layer.weight.device) for part in parts]
         layer.quantize(Int4Weight(*on_device, group_size=Q4_1_BLOCK, dtype=model.dtype))
-    for table in {id(t): t for t in (model.model.embed_tokens, model.logits_layer)}.values():
-        table.quantize(Int8Weight.from_float(table.weight))
+    model.quantize_tables()
 
 
 # Checkpoint matrices that our model stores as one fused matrix, and which part of it each
