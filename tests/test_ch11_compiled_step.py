@@ -24,6 +24,7 @@ from minivllm.compilation.compiled_model import CompiledModel
 from minivllm.compilation.forward_context import OPAQUE_ATTENTION
 from minivllm.config import EngineConfig
 from minivllm.models.loader import load_model
+from minivllm.models.tiny import make_tiny_model
 
 BLOCK_SIZE = 4
 
@@ -123,14 +124,13 @@ def test_compiled_forward_is_as_accurate_as_eager(
 
 
 @torch.inference_mode()
-def test_two_models_of_one_shape_never_share_weights(tiny_model_dirs, tiny_model):
+def test_two_models_of_one_shape_never_share_weights(tmp_path, embedded_dir, tiny_model):
     """Compiled code is reused across models of the same shapes (weights are its inputs), so
     a second model must give its own outputs, not the first one's."""
-    first, second = tiny_model, load_model(tiny_model_dirs[ENGINE_TEST_FAMILY])
-    with torch.no_grad():
-        for parameter in second.parameters():
-            parameter.mul_(0.5)
-    second.pack_weights()
+    other_weights = make_tiny_model(
+        ENGINE_TEST_FAMILY, tmp_path, seed=1, tokenizer_dir=embedded_dir
+    )
+    first, second = tiny_model, load_model(other_weights)
     for model in (first, second):
         input_ids, positions, make_backend = mixed_batch(model, [6], [5])
         expected = model(input_ids, positions, make_backend())

@@ -10,9 +10,11 @@ CPU pool is resident only where written, and the metrics say how much that is.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
+import weakref
 
 import pytest
 import torch
@@ -187,6 +189,20 @@ def test_a_quantized_model_keeps_one_copy_of_each_weight(tiny_model_dirs):
     table = model.model.embed_tokens
     assert table.weight is None and isinstance(table.quantized, q.Int8Weight)
     assert all(p.dim() == 1 for p in model.parameters())  # what is left: the norms
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_quantized_weight_lets_its_float_weight_go(method):
+    """Quantizing a weight that autograd tracks (an nn.Parameter) must not record a graph: the
+    scales would hold the float weight alive through it, the second copy quantization is meant
+    to remove."""
+    weight = torch.nn.Parameter(torch.randn(64, 128))
+    float_weight = weakref.ref(weight)
+    quantized = q.quantize_weight(weight, method)
+    del weight
+    gc.collect()
+    assert float_weight() is None and quantized.nbytes < 64 * 128 * 4 / 2
 
 
 def test_gguf_runs_the_embedded_files_own_blocks(embedded_dir):

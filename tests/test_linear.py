@@ -53,24 +53,29 @@ def test_float16_and_other_devices_keep_pytorchs_product():
 @pytest.mark.skipif(not uses_onednn(torch.zeros(1)), reason="this PyTorch build has no oneDNN")
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_loaded_model_runs_on_packed_weights_with_the_same_logits(tiny_model_dirs, family):
-    """load_model packs every linear layer and the LM head (the embedding when tied); dropping
-    the packed copies gives the same logits, to float32 rounding."""
+    """load_model packs every linear layer and the LM head (the embedding when tied) and keeps
+    one copy: a packed layer's `weight` is a placeholder of the same shape and dtype over one
+    number. The logits are transformers' (plain weights, PyTorch's product), to float32
+    rounding."""
+    from transformers import AutoModelForCausalLM
+
     model = load_model(tiny_model_dirs[family])
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.packed_weight is not None for m in linears)
     assert model.logits_layer.packed_weight is not None
     assert (model.model.embed_tokens.packed_weight is not None) == (model.lm_head is None)
+    packed_only = linears + ([] if model.lm_head is None else [model.lm_head])
+    for module in packed_only:
+        assert module.weight.untyped_storage().nbytes() == module.weight.element_size()
+        assert module.weight.stride() == (0, 0) and module.weight.isnan().all()
+    # The table a lookup reads stays whole.
+    embedding = model.model.embed_tokens.weight
+    assert embedding.untyped_storage().nbytes() == embedding.numel() * embedding.element_size()
 
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dirs[family]).eval()
     tokens = torch.arange(1, 12)
     with torch.inference_mode():
-
-        def logits():
-            hidden = model(tokens, torch.arange(len(tokens)), CausalAttention([0, len(tokens)]))
-            return model.compute_logits(hidden)
-
-        packed = logits()
-        for module in linears:
-            module.packed_weight = None
-        model.logits_layer.packed_weight = None
-        plain = logits()
-    torch.testing.assert_close(packed, plain, rtol=1e-5, atol=1e-5)
+        hidden = model(tokens, torch.arange(len(tokens)), CausalAttention([0, len(tokens)]))
+        packed = model.compute_logits(hidden)
+        plain = hf_model(tokens[None]).logits[0]
+    torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)

@@ -23,8 +23,10 @@ float32 results differ from MKL's in the last bits (about 1e-6 relative), as any
 libraries do; packed and plain weights give the same results to that same rounding. float16
 (no fast CPU path here) and GPUs (cuBLAS) keep `F.linear`.
 
-The packed copy costs a second copy of the weights in memory: the plain weights stay, because
-the embedding lookup, `state_dict` and the tests read them. How large the gains are depends on
+The packed copy is the only copy (chapter 12 counts the bytes): once a layer has packed its
+weight, its `weight` parameter keeps the shape and dtype and holds no numbers
+(`weight_placeholder`). The embedding table is the exception when it also serves as the LM head:
+a lookup reads plain rows, so the table is kept both ways. How large the gains are depends on
 the CPU and the PyTorch build; `measure_matmul_peak` in the benchmark times every way of
 multiplying (MKL, oneDNN, oneDNN on a packed weight) and reports the fastest as the machine's
 peak.
@@ -72,8 +74,22 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
     if not uses_onednn(weight):
         return None
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
-    _PACKED_WEIGHTS[weight.data_ptr()] = packed
+    register_packed(weight, packed)
     return packed
+
+
+def register_packed(weight: torch.Tensor, packed: torch.Tensor) -> None:
+    """Let compiled code find `packed` from the tensor it is handed in its place, `weight`."""
+    _PACKED_WEIGHTS[weight.data_ptr()] = packed
+
+
+def weight_placeholder(weight: torch.Tensor) -> nn.Parameter:
+    """What stays of a weight once its packed copy serves every product: a tensor of the same
+    shape and dtype over a single NaN (stride 0, so 4 bytes instead of the whole matrix).
+    Shape-reading code (parameter counts, the compiled graph's inputs) still works, and any
+    product that read it by mistake would come out NaN rather than silently stale."""
+    nan = torch.full((1,), float("nan"), dtype=weight.dtype, device=weight.device)
+    return nn.Parameter(nan.expand(weight.shape), requires_grad=False)
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -127,9 +143,14 @@ class Linear(nn.Linear):
         so building a model only allocates memory."""
 
     def pack(self) -> None:
-        """Make the packed copy; call once the weight is final (loaded, in its dtype)."""
-        if self.quantized is None:
-            self.packed_weight = pack_weight(self.weight)
+        """Make the packed copy and drop the plain one; call once the weight is final (loaded,
+        in its dtype). A second call changes nothing."""
+        if self.quantized is not None or self.packed_weight is not None:
+            return
+        self.packed_weight = pack_weight(self.weight)
+        if self.packed_weight is not None:
+            self.weight = weight_placeholder(self.weight)
+            register_packed(self.weight, self.packed_weight)
 
     def quantize(self, weight: Int8Weight | Int4Weight) -> None:
         """Multiply by `weight` from now on; the float weight is dropped (one copy only)."""

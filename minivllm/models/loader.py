@@ -161,6 +161,7 @@ def load_model(
     # uninitialised memory, which the checkpoint's tensors then fill.
     with torch.device(device):
         model = LlamaForCausalLM(config, tp).to(dtype)
+    model.requires_grad_(False)  # inference only: no operation on a weight records autograd
     parameters = dict(model.named_parameters())
     parts_loaded = dict.fromkeys(parameters, 0)
     unexpected = []

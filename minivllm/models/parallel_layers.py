@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
-from minivllm.models.linear import Linear, linear, pack_weight
+from minivllm.models.linear import (
+    Linear,
+    linear,
+    pack_weight,
+    register_packed,
+    weight_placeholder,
+)
 from minivllm.models.quantization import Int8Weight
 from minivllm.utils import cdiv
 
@@ -180,7 +186,9 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(embedded)
 
     def pack(self) -> None:
-        if self.quantized is None:
+        """A packed copy for `compute_logits` (the table is an LM head too, when tied); the
+        plain table stays, for lookups."""
+        if self.quantized is None and self.packed_weight is None:
             self.packed_weight = pack_weight(self.weight)
 
     def quantize(self, weight: Int8Weight) -> None:
@@ -203,3 +211,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """An LM head of its own (untied models), split like the embedding; only its
     `compute_logits` is used."""
+
+    def pack(self) -> None:
+        """Only products read this matrix, so the packed copy is the only one (as in `Linear`)."""
+        super().pack()
+        if self.packed_weight is not None:
+            self.weight = weight_placeholder(self.weight)
+            register_packed(self.weight, self.packed_weight)

@@ -43,7 +43,7 @@ INT4_LEVELS = 15  # 0..15
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per output channel (row): q = round(w / scale), scale = max |w| of the row / 127.
     Returns q [N, K] int8 and scale [N] float32."""
-    weight = weight.float()
+    weight = weight.detach().float()  # no autograd graph: it would keep the float weight alive
     scale = weight.abs().amax(dim=1) / INT8_LEVELS
     scale = torch.where(scale > 0, scale, 1.0)  # an all-zero row: any scale, q = 0
     q = torch.round(weight / scale[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS)
@@ -64,7 +64,7 @@ def quantize_int4(
     rows, columns = weight.shape
     if columns % group_size:
         raise ValueError(f"int4 groups of {group_size} do not divide a row of {columns} weights")
-    groups = weight.float().reshape(rows, columns // group_size, group_size)
+    groups = weight.detach().float().reshape(rows, columns // group_size, group_size)
     minimum, maximum = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = (maximum - minimum) / INT4_LEVELS
     scale = torch.where(scale > 0, scale, 1.0)  # a constant group: q = 0, w = minimum

@@ -45,7 +45,7 @@ from minivllm.sample.sampling_params import SamplingParams
 from minivllm.spec_decode.draft_model_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.utils import cdiv
-from minivllm.worker.cpu_allocator import keep_freed_memory_in_process
+from minivllm.worker.cpu_allocator import keep_freed_memory_in_process, release_freed_memory
 from minivllm.worker.model_runner import ModelRunner
 
 
@@ -189,6 +189,10 @@ class Worker:
             self.model_runner.capture_cuda_graphs(
                 self.config.max_num_seqs, self.model.config.max_model_len
             )
+        if self.device.type == "cpu":
+            # Start-up freed what steps never need again (the plain weights once packed, the
+            # profiling batch's activations): hand that back, once; steps then keep theirs.
+            release_freed_memory()
 
     def _compile(self) -> CompiledModel | None:
         """Chapter 11: the model compiled for every step's shape, before the first request
