@@ -34,6 +34,7 @@ CHAPTER_STEMS = [
     "09-serving",
     "10-structured-outputs",
     "11-compiled-step",
+    "12-quantization",
 ]
 STEMS = ["smoke", *CHAPTER_STEMS]
 # The smoke's branches that need a CUDA device; the others run on a CPU too.
@@ -367,6 +368,36 @@ def test_compiled_step_gives_the_eager_tokens(records):
     assert record["batch1"][0]["num_requests"] == 1
 
 
+def test_quantization_rates_ratios_and_bounds(records):
+    """Chapter 12: the quick run times bfloat16 and int4@bfloat16 (no GGUF file beside the tiny
+    model), at batch 1 and batched; each ratio is over bfloat16's rate, int4 weights hold fewer
+    bytes, and the int4 layers name the kernel they ran."""
+    record = records["12-quantization"]
+    assert record["schemes"] == ["bfloat16", "int4"] and record["gguf_skipped"]
+    methods = ["engine-no-prefix-cache@bfloat16", "engine-no-prefix-cache:int4@bfloat16"]
+    batched = record["batched"]
+    assert batched["workload"]["name"] and batched["batch_size"] > 1
+    for name, rows in (("batch1", record["results"]), ("batched", batched["results"])):
+        assert [row["method"] for row in rows] == methods
+        assert {row["dtype"] for row in rows} == {"bfloat16"}
+        bf16, int4 = rows
+        assert bf16["output_tokens"] == int4["output_tokens"] > 0
+        assert record["ratios"][name]["bfloat16"] == 1.0
+        assert record["ratios"][name]["int4"] == pytest.approx(
+            int4["output_tokens_per_s"] / bf16["output_tokens_per_s"]
+        )
+    assert record["results"][0]["num_requests"] == 1
+    weights = record["weight_bytes"]
+    assert 0 < weights["int4"]["loaded"] < weights["bfloat16"]["loaded"]
+    assert 0 < weights["int4"]["model"] < weights["bfloat16"]["model"]
+    assert record["memory_bandwidth"] > 0
+    assert len(record["bounds"]) == 2 * len(record["schemes"])
+    for row in record["bounds"]:
+        assert row["bound_tokens_per_s"] > 0 and row["share_of_bound"] > 0
+    assert record["kernels"]["bfloat16"] == ["float"]
+    assert record["int4_kernel"] in record["kernels"]["int4"]
+
+
 def test_a_failing_chapter_or_smoke_branch_is_recorded_and_the_others_still_run(
     tmp_path, monkeypatch
 ):
@@ -408,7 +439,7 @@ def test_a_failing_chapter_or_smoke_branch_is_recorded_and_the_others_still_run(
 
 def test_unknown_chapters_are_refused_by_name():
     with pytest.raises(SystemExit, match="no chapter"):
-        main.main(["--quick", "--chapters", "12"])
+        main.main(["--quick", "--chapters", "99"])
 
 
 def test_all_reduce_ranks_of_the_nccl_measurement_run_on_gloo():

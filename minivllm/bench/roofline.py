@@ -24,6 +24,7 @@ import torch
 
 from minivllm.bench.benchmark import best_time
 from minivllm.config import ModelConfig
+from minivllm.models.quantization import INT4_GROUP_SIZE
 
 
 @dataclass
@@ -71,24 +72,42 @@ def weight_count(config: ModelConfig) -> tuple[int, int]:
     return config.num_layers * per_layer, hidden * config.vocab_size
 
 
+def weight_bytes(config: ModelConfig, dtype: torch.dtype, quantization: str | None = None) -> float:
+    """Bytes a decode step reads for the weights it multiplies, stored as `quantization` stores
+    them (chapter 12; None: in `dtype`). int8: 1 byte a weight (the one scale per row, under
+    0.2% more, left out); int4 and gguf: half a byte a weight plus each group's scale and zero
+    in `dtype`; the LM head in int8 whenever the layers are quantized."""
+    layer_weights, head_weights = weight_count(config)
+    element = torch.empty((), dtype=dtype).element_size()
+    if quantization is None:
+        return float((layer_weights + head_weights) * element)
+    per_layer_weight = {"int8": 1.0, "int4": 0.5 + 2 * element / INT4_GROUP_SIZE}
+    per_layer_weight["gguf"] = per_layer_weight["int4"]  # Q4_1's blocks of 32, the same layout
+    return layer_weights * per_layer_weight[quantization] + head_weights * 1.0
+
+
 def decode_step_cost(
-    config: ModelConfig, dtype: torch.dtype, batch_size: int, context_length: int
+    config: ModelConfig,
+    dtype: torch.dtype,
+    batch_size: int,
+    context_length: int,
+    quantization: str | None = None,
 ) -> StepCost:
     """One decode step of `batch_size` sequences whose new token attends over `context_length`
-    keys each (the cached tokens and its own).
+    keys each (the cached tokens and its own), with the weights stored as `quantization` stores
+    them (`weight_bytes`).
 
     FLOPs: 2 per weight per row (layers and LM head), and attention's 4 per head dimension per
     cached token (QK^T and PV). Bytes: every weight read once, and every sequence's cached K and
     V read once; activations are small next to both and are left out.
     """
     layer_weights, head_weights = weight_count(config)
-    element = torch.empty((), dtype=dtype).element_size()
     q_size = config.num_heads * config.head_dim
     flops = 2 * (layer_weights + head_weights) * batch_size
     flops += 4 * q_size * config.num_layers * context_length * batch_size
-    weight_bytes = (layer_weights + head_weights) * element
+    weight_bytes_read = weight_bytes(config, dtype, quantization)
     kv_bytes = batch_size * context_length * config.kv_bytes_per_token(dtype)
-    return StepCost(flops=float(flops), bytes=float(weight_bytes + kv_bytes))
+    return StepCost(flops=float(flops), bytes=float(weight_bytes_read + kv_bytes))
 
 
 def _per_row_and_fixed(

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from minivllm.attention.backend import PagedAttentionBackend
 from minivllm.compilation.forward_context import OPAQUE_ATTENTION, forward_context
 from minivllm.models.llama import LlamaForCausalLM
+from minivllm.models.quantization import INT8_FUSED_MAX_ROWS
 
 # Dynamo keeps one compiled graph per shape family it meets (batch-1, any other count, the
 # layer-skip draft's shorter model, ...) and falls back to eager past this many.
@@ -80,12 +81,18 @@ class CompiledModel:
             return self._forward(input_ids, positions, num_layers)
 
     def compile(self, make_attention, num_layers: int | None = None) -> float:
-        """Trace and compile the two graphs a step can need (one token; two or more), running
+        """Trace and compile the graphs a step can need (one token; two or more), running
         each once on dummy tokens through `make_attention(num_tokens)`, a backend over a
-        scratch pool. Returns the seconds it took."""
+        scratch pool. Returns the seconds it took.
+
+        Two or more tokens are one graph unless the model's code branches on the count: chapter
+        12's int8 layers choose their kernel by the number of rows (`INT8_FUSED_MAX_ROWS`), so
+        dynamo guards the two-token graph on it. A third, prompt-sized count traces the other
+        side now, instead of at the first prompt (elsewhere it reuses the graph: no compile)."""
         start = time.perf_counter()
         device = self.model.device
-        for num_tokens in tqdm((1, 2), desc="compiling the model (torch.compile)", unit="graph"):
+        counts = (1, 2, INT8_FUSED_MAX_ROWS + 1)
+        for num_tokens in tqdm(counts, desc="compiling the model (torch.compile)", unit="graph"):
             # Made in inference mode, as every step's inputs are: a graph is guarded on how
             # its inputs were made, and one traced on ordinary tensors would not serve a step.
             with torch.inference_mode():

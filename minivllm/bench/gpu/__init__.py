@@ -60,6 +60,9 @@ in minivllm imports it. One module per chapter, in the order they run:
     ch11_compiled_step.py        the engine eager against compiled with CUDA graphs (its default
                                  on a GPU): one request decoding alone (batch 1, where launch
                                  overhead is the whole step) and the varied-output workload
+    ch12_quantization.py         the weights in float32, bfloat16, int8, int4 and the GGUF file's
+                                 Q4_1 blocks: batch 1 and 32 against each scheme's bandwidth
+                                 bound, the bytes the weights hold, the kernel that ran
 
 common.py holds what they share (the sizes, the run, a chapter's record and how it is saved),
 main.py the run and the command line; each module's docstring says which notebook it feeds,

@@ -31,6 +31,7 @@ from minivllm.bench.gpu.ch08_speculative_decoding import measure_speculative_dec
 from minivllm.bench.gpu.ch09_serving import measure_serving
 from minivllm.bench.gpu.ch10_structured_outputs import measure_structured_outputs
 from minivllm.bench.gpu.ch11_compiled_step import measure_compiled_step
+from minivllm.bench.gpu.ch12_quantization import measure_quantization
 from minivllm.bench.gpu.common import (
     DEFAULT_OUT,
     DTYPE,
@@ -59,6 +60,7 @@ CHAPTERS = {
     "09": measure_serving,
     "10": measure_structured_outputs,
     "11": measure_compiled_step,
+    "12": measure_quantization,
 }
 
 

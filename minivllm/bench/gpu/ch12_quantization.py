@@ -1,0 +1,202 @@
+"""Chapter 12 (notebooks/12-bytes.ipynb) on a GPU: weight-only quantization.
+
+The engine with its weights in float32, bfloat16, int8 and int4 (both quantized at load, the
+activations in bfloat16: tinygemm's int4 kernel takes bfloat16 only) and, on the embedded
+model, the GGUF file's own 4-bit blocks: one request decoding alone (batch 1, where a step reads
+every weight to make one token) and 32 at once. Next to each rate, the memory-bandwidth bound of
+its scheme (the step's bytes, `roofline.decode_step_cost`, over the measured bandwidth), the
+bytes its weights hold once loaded, and the kernel its layers multiply with (a layer the kernel
+refuses falls back to a dequantized copy per call: the reference path).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict
+
+import matplotlib.pyplot as plt
+import torch
+
+from minivllm.bench.benchmark import MethodResult
+from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.roofline import decode_step_cost, measure_memory_bandwidth, weight_bytes
+from minivllm.bench.workloads import Workload, throughput_workload
+from minivllm.models.linear import Linear
+from minivllm.models.loader import gguf_file_of
+from minivllm.models.quantization import INT8_FUSED_MAX_ROWS, Int4Weight
+
+ENGINE = "engine-no-prefix-cache"
+BASELINE = f"{ENGINE}@bfloat16"  # every ratio is over the bfloat16 engine
+# Scheme -> (method, weights' quantization, activations' dtype), in the order they run.
+SCHEMES = {
+    "float32": (ENGINE, None, torch.float32),
+    "bfloat16": (BASELINE, None, torch.bfloat16),
+    "int8": (f"{ENGINE}:int8@bfloat16", "int8", torch.bfloat16),
+    "int4": (f"{ENGINE}:int4@bfloat16", "int4", torch.bfloat16),
+    "gguf": (f"{ENGINE}:gguf@bfloat16", "gguf", torch.bfloat16),
+}
+QUICK_SCHEMES = ("bfloat16", "int4")  # a quick run checks the plumbing: an engine start each
+BATCH, QUICK_BATCH = 32, 2  # requests decoding at once in the batched workload
+
+
+def measure_quantization(run: Run) -> Chapter:
+    """The engine in each weight format, at batch 1 and at batch 32 (2 in a quick run), each
+    workload's requests decoding run.sizes.single_output tokens.
+
+    JSON: results (batch 1, "workload" its workload: "engine-no-prefix-cache" in float32,
+    "engine-no-prefix-cache@bfloat16", "engine-no-prefix-cache:int8@bfloat16", ":int4@bfloat16"
+    and, on a model with a GGUF file, ":gguf@bfloat16"; a quick run: bfloat16 and int4 only);
+    batched {batch_size, workload, results} (the same methods on BATCH requests: `record |
+    record["batched"]` plots like the record); schemes (the schemes measured, in order);
+    gguf_skipped (why the GGUF weights did not run, or null); ratios {"batch1", "batched"} ->
+    scheme -> its output tokens/s over bfloat16's; memory_bandwidth (bytes/s of a large copy);
+    weight_bytes scheme -> {"loaded": the engine's model's parameters plus its quantized
+    weights' bytes, "model": `roofline.weight_bytes`}; bounds: one row per scheme and
+    workload {scheme, method, batch_size, context, step_bytes, bound_tokens_per_s (batch x
+    bandwidth / step bytes: decode only, prefill left out), output_tokens_per_s,
+    share_of_bound}; kernels scheme -> the kernels its linear layers multiply with (sorted,
+    distinct); int4_kernel (the int4 layers' kernel, "... (reference)" where tinygemm did not
+    run); int8_fused_max_rows (rows up to which int8 uses its fused kernel: above, a
+    dequantized copy per call, as in the batched workload's logits).
+    """
+    gguf_skipped = None
+    try:
+        gguf_file_of(run.model_dir)
+    except ValueError as error:
+        gguf_skipped = f"{run.model_name}: {error}"
+    schemes = [
+        scheme
+        for scheme in (QUICK_SCHEMES if run.quick else SCHEMES)
+        if scheme != "gguf" or gguf_skipped is None
+    ]
+    methods = [SCHEMES[scheme][0] for scheme in schemes]
+    batch = QUICK_BATCH if run.quick else BATCH
+    output = run.sizes.single_output
+    single = throughput_workload(run.tokenizer, 1, output_length=output)
+    batched = throughput_workload(run.tokenizer, batch, output_length=output)
+    # One context for both workloads: each engine starts (and compiles) once. The batched
+    # workload runs first, so that the KV pool sized for the first workload holds both.
+    ctx = run.context(engine_args=dict(max_num_seqs=batch))
+    batched_results = run.benchmark(ctx, batched, methods)
+    results = run.benchmark(ctx, single, methods)
+
+    models = {
+        scheme: engine_model(ctx, SCHEMES[scheme][0], SCHEMES[scheme][2]) for scheme in schemes
+    }
+    kernels = {scheme: layer_kernels(model) for scheme, model in models.items()}
+    int4_kernel = next(
+        (
+            module.quantized.kernel
+            for module in models["int4"].modules()
+            if isinstance(module, Linear) and isinstance(module.quantized, Int4Weight)
+        ),
+        None,
+    )
+    bandwidth = measure_memory_bandwidth(
+        run.device, megabytes=run.sizes.copy_megabytes, repeats=run.sizes.repeats
+    )
+    config = run.model.config
+    bounds = []
+    for workload, rows in ((single, results), (batched, batched_results)):
+        rate = {r.method: r.output_tokens_per_s for r in rows}
+        context = mean_decode_context(workload)
+        for scheme in schemes:
+            method, quantization, dtype = SCHEMES[scheme]
+            cost = decode_step_cost(config, dtype, workload.num_requests, context, quantization)
+            bound = workload.num_requests * bandwidth / cost.bytes
+            bounds.append(
+                dict(
+                    scheme=scheme,
+                    method=method,
+                    batch_size=workload.num_requests,
+                    context=context,
+                    step_bytes=cost.bytes,
+                    bound_tokens_per_s=bound,
+                    output_tokens_per_s=rate[method],
+                    share_of_bound=rate[method] / bound,
+                )
+            )
+
+    def ratios(rows: list[MethodResult]) -> dict[str, float]:
+        rate = {r.method: r.output_tokens_per_s for r in rows}
+        return {scheme: rate[SCHEMES[scheme][0]] / rate[BASELINE] for scheme in schemes}
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 2.5 + 1.2 * len(methods)), layout="constrained")
+    for ax, rows, workload in ((axes[0], results, single), (axes[1], batched_results, batched)):
+        plot_throughput(rows, f"{workload.name}: {workload.description}", ax=ax, baseline=BASELINE)
+    fig.suptitle(run.title(f"Weight-only quantization, batch 1 and {batch}"), fontsize=10)
+    return Chapter(
+        "12-quantization",
+        single,
+        fig,
+        results,
+        dict(
+            batched=dict(
+                batch_size=batch,
+                workload=dict(name=batched.name, description=batched.description),
+                results=[as_dict(r) for r in batched_results],
+            ),
+            schemes=schemes,
+            gguf_skipped=gguf_skipped,
+            ratios=dict(batch1=ratios(results), batched=ratios(batched_results)),
+            memory_bandwidth=bandwidth,
+            weight_bytes={
+                scheme: dict(
+                    loaded=loaded_weight_bytes(model),
+                    model=weight_bytes(config, SCHEMES[scheme][2], SCHEMES[scheme][1]),
+                )
+                for scheme, model in models.items()
+            },
+            bounds=bounds,
+            kernels=kernels,
+            int4_kernel=int4_kernel,
+            int8_fused_max_rows=INT8_FUSED_MAX_ROWS,
+        ),
+    )
+
+
+def as_dict(result: MethodResult) -> dict:
+    return asdict(result) | {"output_tokens_per_s": result.output_tokens_per_s}
+
+
+def engine_model(ctx, method: str, dtype: torch.dtype):
+    """The model inside the engine `run_benchmark` built for `method` (kept in the context
+    of its dtype, under its name and setting)."""
+    name = method.partition("@")[0]
+    llm = ctx.with_dtype(dtype).engines[name]
+    return llm.llm_engine.executor.driver_worker.model
+
+
+def layer_kernels(model) -> list[str]:
+    """The distinct kernels the model's linear layers multiply with."""
+    return sorted(
+        {
+            module.quantized.kernel if module.quantized is not None else "float"
+            for module in model.modules()
+            if isinstance(module, Linear)
+        }
+    )
+
+
+def loaded_weight_bytes(model) -> int:
+    """Bytes of the model's weights as loaded: its parameters (a packed weight's placeholder
+    counts its full shape, the size of its packed copy) and its quantized weights; a tied
+    table is one module, counted once."""
+    total = sum(p.nbytes for p in model.parameters())
+    for module in model.modules():
+        quantized = getattr(module, "quantized", None)
+        if quantized is not None:
+            total += quantized.nbytes
+    return total
+
+
+def mean_decode_context(workload: Workload) -> int:
+    """Keys a decode step attends over, on average over the workload's decode steps: each
+    request's prompt and half its output."""
+    return round(
+        statistics.mean(
+            len(prompt) + output / 2
+            for prompt, output in zip(workload.prompts, workload.output_lengths)
+        )
+    )
