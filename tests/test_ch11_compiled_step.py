@@ -196,3 +196,22 @@ def test_attention_outside_a_forward_context_is_an_error():
     q = torch.zeros(1, 2, 4)
     with pytest.raises(RuntimeError, match="forward_context"):
         OPAQUE_ATTENTION(0, q, q, q)
+
+
+def test_a_compiled_int8_engine_compiles_nothing_at_its_first_prompt(tiny_model_dirs, chat_prompts):
+    """Chapter 12's int8 layers choose their kernel by the number of rows, so the graph of two
+    or more tokens is guarded on it: the engine's start traces the prompt-sized side too, and no
+    request waits for a compile. The compiled engine's tokens are the eager one's."""
+    from torch._dynamo.utils import counters
+
+    model = str(tiny_model_dirs[ENGINE_TEST_FAMILY])
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in chat_prompts[:2]]
+    assert all(len(p["prompt_token_ids"]) > 4 for p in prompts)  # past INT8_FUSED_MAX_ROWS
+    eager = LLM(model=model, quantization="int8", enforce_eager=True)
+    expected = [list(o.outputs[0].token_ids) for o in eager.generate(prompts, params)]
+    compiled = LLM(model=model, quantization="int8", enforce_eager=False)
+    graphs_at_start = counters["stats"]["unique_graphs"]
+    outputs = compiled.generate(prompts, params)
+    assert counters["stats"]["unique_graphs"] == graphs_at_start
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
