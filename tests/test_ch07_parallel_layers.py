@@ -167,3 +167,23 @@ def test_row_parallel_check_passes_on_minivllm_and_fails_on_a_typical_mistake():
     result = run_check("ch07.row_parallel_linear", _row_parallel_with_bias_on_every_rank)
     assert not result.passed
     assert "expected x @ W.T + bias" in result.report
+
+
+def test_a_rank_that_skips_the_all_reduce_fails_in_seconds_not_never(monkeypatch):
+    """The learning check's simulated ranks: when one rank never calls all_reduce, the others
+    stop waiting after MEETING_TIMEOUT_S with an error that names the rule."""
+    import torch
+
+    from minivllm.learning_checks.chapter07 import ThreadRanks
+
+    both_reduce = ThreadRanks(2).run(
+        lambda x, tp: tp.all_reduce(x), [(torch.ones(2),), (torch.ones(2),)]
+    )
+    assert [out.tolist() for out in both_reduce] == [[2.0, 2.0], [2.0, 2.0]]
+
+    def only_rank_0_reduces(x, tp):
+        return tp.all_reduce(x) if tp.rank == 0 else x
+
+    monkeypatch.setattr(ThreadRanks, "MEETING_TIMEOUT_S", 0.5)  # the wait this test sits out
+    with pytest.raises(RuntimeError, match="every rank must call all_reduce"):
+        ThreadRanks(2).run(only_rank_0_reduces, [(torch.ones(2),), (torch.ones(2),)])

@@ -22,10 +22,15 @@ from minivllm.learning_checks import check_settings, learning_check, show_values
 class ThreadRanks:
     """`size` ranks as threads; `all_reduce` sums every rank's tensor into each, in place."""
 
+    # A rank that calls all_reduce fewer times than the others (a learner's `if rank == 0:`
+    # around it) would leave them waiting forever: past this many seconds the barrier breaks
+    # and `run` says why. A correct all-reduce of the check's small tensors takes milliseconds.
+    MEETING_TIMEOUT_S = 5.0
+
     def __init__(self, size: int):
         self.size = size
         self.slots: list[torch.Tensor | None] = [None] * size
-        self.barrier = threading.Barrier(size)
+        self.barrier = threading.Barrier(size, timeout=self.MEETING_TIMEOUT_S)
 
     def group(self, rank: int) -> RankView:
         return RankView(self, rank)
@@ -49,7 +54,13 @@ class ThreadRanks:
             thread.join()
         if errors:  # the rank that failed first, not the ones its abort released
             real_errors = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-            raise (real_errors or errors)[0]
+            if real_errors:
+                raise real_errors[0]
+            raise RuntimeError(
+                f"the {self.size} ranks did not all reach all_reduce within "
+                f"{self.MEETING_TIMEOUT_S:.0f} s: every rank must call all_reduce, the same "
+                "number of times (a collective waits for the whole group)"
+            )
         return results
 
 
