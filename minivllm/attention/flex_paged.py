@@ -16,11 +16,12 @@ the tokens already cached:
     physical_to_logical[b]:    block 7 -> 0, block 2 -> 1, every other block -> -1
     slot 9 = block 2, offset 1 -> position 1 * 4 + 1 = 5: visible to the query at position 5
 
-A step's decodes (one query each) run as one call, `[decodes, heads, 1, head_dim]`; its prefill
-chunks as another, padded to the longest chunk. What compiles when: the first call of each
-shape family compiles (tens of seconds on a CPU; inductor caches the result on disk, so the
-next process loads it); sizes are marked dynamic, so new batch sizes and chunk lengths reuse
-the compiled kernel.
+A step's decodes (one query each) run as one call, `[decodes, heads, 1, head_dim]`, and each
+prefill chunk as a call of its own. What compiles when: flex compiles once per shape it meets
+(`dynamic=False`: PyTorch's CPU code generator fails on dynamic flex shapes), so the number of
+sequences and a chunk's length are padded to powers of two, and a handful of kernels serve every
+step; each compiles at its first call (tens of seconds on a CPU; inductor caches the result on
+disk, so the next process loads it), which `warm_up` does at engine start.
 """
 
 from __future__ import annotations
