@@ -427,6 +427,54 @@ def test_rejection_sampler_check_passes_on_minivllm_and_fails_on_a_typical_mista
     assert "should follow p" in result.report
 
 
+def _resample_from_p_after_a_certain_draft(
+    target_probs, draft_token_ids, draft_probs, generator=None
+):
+    """With draft_probs None, a rejected draft is replaced by a draw from p itself (which may
+    draw the rejected token again) instead of from p without it. Greedy targets cannot tell."""
+    from minivllm.learning_checks.solutions.ch08 import rejection_sample
+
+    if draft_probs is not None:
+        return rejection_sample(target_probs, draft_token_ids, draft_probs, generator)
+    emitted = []
+    for i, token in enumerate(draft_token_ids):
+        p = target_probs[i]
+        if float(torch.rand((), generator=generator)) < float(p[token]):
+            emitted.append(token)
+            continue
+        emitted.append(int(torch.multinomial(p, 1, generator=generator)))
+        return emitted
+    last = target_probs[len(draft_token_ids)]
+    return emitted + [int(torch.multinomial(last, 1, generator=generator))]
+
+
+def _greedy_bonus_token(target_probs, draft_token_ids, draft_probs, generator=None):
+    """Takes the bonus token as the last row's argmax instead of drawing it. Greedy targets
+    cannot tell."""
+    from minivllm.learning_checks.solutions.ch08 import rejection_sample
+
+    emitted = rejection_sample(target_probs, draft_token_ids, draft_probs, generator)
+    if len(emitted) == len(draft_token_ids) + 1 and emitted[:-1] == list(draft_token_ids):
+        emitted[-1] = int(target_probs[len(draft_token_ids)].argmax())
+    return emitted
+
+
+@pytest.mark.parametrize(
+    "mistake, words",
+    [
+        (_resample_from_p_after_a_certain_draft, "a certain draft"),
+        (_greedy_bonus_token, "the bonus token should follow"),
+    ],
+    ids=["one-hot-path", "bonus-row"],
+)
+def test_rejection_sampler_check_catches_the_one_hot_path_and_the_bonus_row(mistake, words):
+    from minivllm.learning_checks import run_check
+
+    result = run_check("ch08.rejection_sample", mistake)
+    assert not result.passed
+    assert words in result.report
+
+
 def _resample_from_target_everywhere(target_probs, draft_token_ids, draft_probs, generator=None):
     """The typical mistake, for any number of drafts: on rejection, draw from p itself."""
     emitted = []

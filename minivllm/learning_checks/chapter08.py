@@ -14,6 +14,18 @@ TARGET = torch.tensor([0.5, 0.3, 0.1, 0.1])
 DRAFT = torch.tensor([0.1, 0.2, 0.6, 0.1])
 TRIALS = 4000
 TOLERANCE = 0.035  # total variation; sampling noise is about 0.01 at 4,000 draws
+# The one-hot path (an n-gram draft, draft_probs None) and the bonus row: fewer draws each,
+# a looser bound (noise about 0.016 at 2,000 draws; each mistake below is 0.3 or more off).
+PATH_TRIALS = 2000
+PATH_TOLERANCE = 0.06
+BONUS_TARGET = torch.tensor([0.1, 0.2, 0.3, 0.4])
+
+
+def _distance(tokens: list[int], expected: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """Total variation between the tokens' frequencies and `expected`, and the frequencies."""
+    counts = torch.bincount(torch.tensor(tokens), minlength=len(expected)).float()
+    observed = counts / counts.sum()
+    return 0.5 * float((observed - expected).abs().sum()), observed
 
 
 def _our_rejection_sample():
@@ -32,8 +44,10 @@ def _our_rejection_sample():
     reference=_our_rejection_sample,
 )
 def check_rejection_sample(rejection_sample) -> None:
-    """Greedy targets (one-hot) must give exactly the greedy tokens; and over many seeded draws
-    the first emitted token must follow the target distribution, not the draft's."""
+    """Greedy targets (one-hot) must give exactly the greedy tokens; over many seeded draws the
+    first emitted token must follow the target distribution, not the draft's, with a drafted
+    distribution and with a certain (n-gram) draft alike; and when every draft is kept, the
+    bonus token must follow the row after the last draft."""
 
     @check_settings(max_examples=25)
     @given(
@@ -66,12 +80,46 @@ def check_rejection_sample(rejection_sample) -> None:
         draft = int(torch.multinomial(DRAFT, 1, generator=generator))
         emitted = rejection_sample(torch.stack([TARGET, TARGET]), [draft], DRAFT[None], generator)
         first_tokens.append(int(emitted[0]))
-    counts = torch.bincount(torch.tensor(first_tokens), minlength=len(TARGET)).float()
-    observed = counts / counts.sum()
-    distance = 0.5 * float((observed - TARGET).abs().sum())
+    distance, observed = _distance(first_tokens, TARGET)
     if distance > TOLERANCE:
         raise AssertionError(
             f"drafts drawn from q = {show_values(DRAFT)}, target p = {show_values(TARGET)}: the "
             f"first emitted token should follow p, but over {TRIALS} draws it followed "
             f"{show_values(observed)} (total variation {distance:.3f})"
+        )
+
+    # An n-gram draft is certain (draft_probs None: q is one-hot at the draft): the draft is
+    # kept with probability p(draft), and a rejection draws from p without the draft.
+    draft = 0  # the target's likeliest token: a wrong rejection rule shows most here
+    first_tokens = [
+        int(rejection_sample(torch.stack([TARGET, TARGET]), [draft], None, generator)[0])
+        for _ in range(PATH_TRIALS)
+    ]
+    distance, observed = _distance(first_tokens, TARGET)
+    if distance > PATH_TOLERANCE:
+        raise AssertionError(
+            f"a certain draft (draft_probs None, q one-hot at token {draft}), target p = "
+            f"{show_values(TARGET)}: the first emitted token should follow p, but over "
+            f"{PATH_TRIALS} draws it followed {show_values(observed)} (total variation "
+            f"{distance:.3f})"
+        )
+
+    # Every draft kept: the bonus token comes from the row after the last draft, target_probs[k].
+    certain = torch.eye(len(BONUS_TARGET))[[1, 3]]  # drafts 1 then 3, both the target's choice
+    rows = torch.cat([certain, BONUS_TARGET[None]])
+    bonus_tokens = []
+    for _ in range(PATH_TRIALS):
+        emitted = rejection_sample(rows, [1, 3], None, generator)
+        if list(emitted[:2]) != [1, 3] or len(emitted) != 3:
+            raise AssertionError(
+                f"drafts [1, 3] that the target is certain of must both be kept and followed by "
+                f"one bonus token; got {list(emitted)}"
+            )
+        bonus_tokens.append(int(emitted[2]))
+    distance, observed = _distance(bonus_tokens, BONUS_TARGET)
+    if distance > PATH_TOLERANCE:
+        raise AssertionError(
+            f"both drafts kept: the bonus token should follow target_probs[k] = "
+            f"{show_values(BONUS_TARGET)} (the row after the last draft), but over {PATH_TRIALS} "
+            f"draws it followed {show_values(observed)} (total variation {distance:.3f})"
         )
