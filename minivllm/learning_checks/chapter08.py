@@ -21,11 +21,17 @@ PATH_TOLERANCE = 0.06
 BONUS_TARGET = torch.tensor([0.1, 0.2, 0.3, 0.4])
 
 
-def _distance(tokens: list[int], expected: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Total variation between the tokens' frequencies and `expected`, and the frequencies."""
+def _assert_follows(tokens: list[int], expected: torch.Tensor, tolerance: float, what: str):
+    """Raise, saying `what` ("the first emitted token should follow p"), unless the tokens'
+    frequencies are within `tolerance` (total variation) of `expected`."""
     counts = torch.bincount(torch.tensor(tokens), minlength=len(expected)).float()
     observed = counts / counts.sum()
-    return 0.5 * float((observed - expected).abs().sum()), observed
+    distance = 0.5 * float((observed - expected).abs().sum())
+    if distance > tolerance:
+        raise AssertionError(
+            f"{what} = {show_values(expected)}, but over {len(tokens)} draws it followed "
+            f"{show_values(observed)} (total variation {distance:.3f})"
+        )
 
 
 def _our_rejection_sample():
@@ -80,13 +86,12 @@ def check_rejection_sample(rejection_sample) -> None:
         draft = int(torch.multinomial(DRAFT, 1, generator=generator))
         emitted = rejection_sample(torch.stack([TARGET, TARGET]), [draft], DRAFT[None], generator)
         first_tokens.append(int(emitted[0]))
-    distance, observed = _distance(first_tokens, TARGET)
-    if distance > TOLERANCE:
-        raise AssertionError(
-            f"drafts drawn from q = {show_values(DRAFT)}, target p = {show_values(TARGET)}: the "
-            f"first emitted token should follow p, but over {TRIALS} draws it followed "
-            f"{show_values(observed)} (total variation {distance:.3f})"
-        )
+    _assert_follows(
+        first_tokens,
+        TARGET,
+        TOLERANCE,
+        f"drafts drawn from q = {show_values(DRAFT)}: the first emitted token should follow p",
+    )
 
     # An n-gram draft is certain (draft_probs None: q is one-hot at the draft): the draft is
     # kept with probability p(draft), and a rejection draws from p without the draft.
@@ -95,14 +100,13 @@ def check_rejection_sample(rejection_sample) -> None:
         int(rejection_sample(torch.stack([TARGET, TARGET]), [draft], None, generator)[0])
         for _ in range(PATH_TRIALS)
     ]
-    distance, observed = _distance(first_tokens, TARGET)
-    if distance > PATH_TOLERANCE:
-        raise AssertionError(
-            f"a certain draft (draft_probs None, q one-hot at token {draft}), target p = "
-            f"{show_values(TARGET)}: the first emitted token should follow p, but over "
-            f"{PATH_TRIALS} draws it followed {show_values(observed)} (total variation "
-            f"{distance:.3f})"
-        )
+    _assert_follows(
+        first_tokens,
+        TARGET,
+        PATH_TOLERANCE,
+        f"a certain draft (draft_probs None, q one-hot at token {draft}): the first emitted "
+        "token should follow p",
+    )
 
     # Every draft kept: the bonus token comes from the row after the last draft, target_probs[k].
     certain = torch.eye(len(BONUS_TARGET))[[1, 3]]  # drafts 1 then 3, both the target's choice
@@ -116,10 +120,10 @@ def check_rejection_sample(rejection_sample) -> None:
                 f"one bonus token; got {list(emitted)}"
             )
         bonus_tokens.append(int(emitted[2]))
-    distance, observed = _distance(bonus_tokens, BONUS_TARGET)
-    if distance > PATH_TOLERANCE:
-        raise AssertionError(
-            f"both drafts kept: the bonus token should follow target_probs[k] = "
-            f"{show_values(BONUS_TARGET)} (the row after the last draft), but over {PATH_TRIALS} "
-            f"draws it followed {show_values(observed)} (total variation {distance:.3f})"
-        )
+    _assert_follows(
+        bonus_tokens,
+        BONUS_TARGET,
+        PATH_TOLERANCE,
+        "both drafts kept: the bonus token should follow target_probs[k] (the row after the "
+        "last draft)",
+    )
