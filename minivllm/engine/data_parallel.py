@@ -510,8 +510,9 @@ class DataParallelEngine:
 def aggregate_metrics(per_replica: list[list[Metric]]) -> list[Metric]:
     """One list of metrics for the whole engine, by name: counters, request counts and the KV
     pools' bytes are summed (the engine's total), other gauges (KV-cache usage, hit rates) are
-    averaged over the replicas. An average of hit rates is not the hit rate of the summed counts, but it is close
-    when the router spreads the work evenly, and the summed counters are there for exactness."""
+    averaged over the replicas. An average of hit rates is not the hit rate of the summed
+    counts, but it is close when the router spreads the work evenly, and the summed counters
+    are there for exactness."""
     summed_gauges = {
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",

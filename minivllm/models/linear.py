@@ -83,13 +83,16 @@ def register_packed(weight: torch.Tensor, packed: torch.Tensor) -> None:
     _PACKED_WEIGHTS[weight.data_ptr()] = packed
 
 
-def weight_placeholder(weight: torch.Tensor) -> nn.Parameter:
-    """What stays of a weight once its packed copy serves every product: a tensor of the same
-    shape and dtype over a single NaN (stride 0, so 4 bytes instead of the whole matrix).
-    Shape-reading code (parameter counts, the compiled graph's inputs) still works, and any
-    product that read it by mistake would come out NaN rather than silently stale."""
+def weight_placeholder(weight: torch.Tensor, packed: torch.Tensor) -> nn.Parameter:
+    """What stays of a weight once its packed copy `packed` serves every product: a tensor of
+    the same shape and dtype over a single NaN (stride 0, so 4 bytes instead of the whole
+    matrix), registered as the tensor compiled code finds `packed` by. Shape-reading code
+    (parameter counts, the compiled graph's inputs) still works, and any product that read it
+    by mistake would come out NaN rather than silently stale."""
     nan = torch.full((1,), float("nan"), dtype=weight.dtype, device=weight.device)
-    return nn.Parameter(nan.expand(weight.shape), requires_grad=False)
+    placeholder = nn.Parameter(nan.expand(weight.shape), requires_grad=False)
+    register_packed(placeholder, packed)
+    return placeholder
 
 
 def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -149,8 +152,7 @@ class Linear(nn.Linear):
             return
         self.packed_weight = pack_weight(self.weight)
         if self.packed_weight is not None:
-            self.weight = weight_placeholder(self.weight)
-            register_packed(self.weight, self.packed_weight)
+            self.weight = weight_placeholder(self.weight, self.packed_weight)
 
     def quantize(self, weight: Int8Weight | Int4Weight) -> None:
         """Multiply by `weight` from now on; the float weight is dropped (one copy only)."""

@@ -29,13 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed.parallel_state import SINGLE_PROCESS, TensorParallelGroup
-from minivllm.models.linear import (
-    Linear,
-    linear,
-    pack_weight,
-    register_packed,
-    weight_placeholder,
-)
+from minivllm.models.linear import Linear, linear, pack_weight, weight_placeholder
 from minivllm.models.quantization import Int8Weight
 from minivllm.utils import cdiv
 
@@ -216,5 +210,4 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Only products read this matrix, so the packed copy is the only one (as in `Linear`)."""
         super().pack()
         if self.packed_weight is not None:
-            self.weight = weight_placeholder(self.weight)
-            register_packed(self.weight, self.packed_weight)
+            self.weight = weight_placeholder(self.weight, self.packed_weight)

@@ -20,6 +20,7 @@ import torch
 from minivllm.bench.benchmark import MethodResult
 from minivllm.bench.gpu.common import Chapter, Run
 from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.memory import model_weight_bytes
 from minivllm.bench.roofline import decode_step_cost, measure_memory_bandwidth, weight_bytes
 from minivllm.bench.workloads import Workload, throughput_workload
 from minivllm.models.linear import Linear
@@ -51,9 +52,9 @@ def measure_quantization(run: Run) -> Chapter:
     record["batched"]` plots like the record); schemes (the schemes measured, in order);
     gguf_skipped (why the GGUF weights did not run, or null); ratios {"batch1", "batched"} ->
     scheme -> its output tokens/s over bfloat16's; memory_bandwidth (bytes/s of a large copy);
-    weight_bytes scheme -> {"loaded": the engine's model's parameters plus its quantized
-    weights' bytes, "model": `roofline.weight_bytes`}; bounds: one row per scheme and
-    workload {scheme, method, batch_size, context, step_bytes, bound_tokens_per_s (batch x
+    weight_bytes scheme -> {"loaded": the bytes the engine's model holds, each copy once
+    (`memory.model_weight_bytes`: a tied table plain and packed), "model":
+    `roofline.weight_bytes`}; bounds: one row per scheme and workload {scheme, method, batch_size, context, step_bytes, bound_tokens_per_s (batch x
     bandwidth / step bytes: decode only, prefill left out), output_tokens_per_s,
     share_of_bound}; kernels scheme -> the kernels its linear layers multiply with (sorted,
     distinct); int4_kernel (the int4 layers' kernel, "... (reference)" where tinygemm did not
@@ -143,7 +144,7 @@ def measure_quantization(run: Run) -> Chapter:
             memory_bandwidth=bandwidth,
             weight_bytes={
                 scheme: dict(
-                    loaded=loaded_weight_bytes(model),
+                    loaded=model_weight_bytes(model),
                     model=weight_bytes(config, SCHEMES[scheme][2], SCHEMES[scheme][1]),
                 )
                 for scheme, model in models.items()
@@ -177,18 +178,6 @@ def layer_kernels(model) -> list[str]:
             if isinstance(module, Linear)
         }
     )
-
-
-def loaded_weight_bytes(model) -> int:
-    """Bytes of the model's weights as loaded: its parameters (a packed weight's placeholder
-    counts its full shape, the size of its packed copy) and its quantized weights; a tied
-    table is one module, counted once."""
-    total = sum(p.nbytes for p in model.parameters())
-    for module in model.modules():
-        quantized = getattr(module, "quantized", None)
-        if quantized is not None:
-            total += quantized.nbytes
-    return total
 
 
 def mean_decode_context(workload: Workload) -> int:
