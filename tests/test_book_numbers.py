@@ -76,3 +76,27 @@ def test_measurement_numbers_come_from_the_notebook(chapter):
 
 def test_there_are_chapters_to_check():
     assert len(CHAPTERS) >= 6, [p.name for p in CHAPTERS]
+
+
+def readme_section(heading: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end == -1 else text[start:end]
+
+
+@pytest.mark.parametrize("heading", ["Goals", "How fast"])
+def test_readme_numbers_come_from_the_notebooks(heading):
+    """The README's goals and speeds are copies of notebook outputs, not numbers of their own: a
+    re-run that moves them leaves the README failing until it is brought up to date."""
+    printed = [
+        x
+        for notebook in sorted((ROOT / "notebooks").glob("*.ipynb"))
+        for x, _ in decimals(notebook_output_text(notebook))
+    ]
+    missing = [
+        value
+        for value, places in decimals(readme_section(heading))
+        if not any(round(x, places) == round(value, places) for x in printed)
+    ]
+    assert not missing, f"README's {heading!r} quotes numbers no notebook printed: {missing}"

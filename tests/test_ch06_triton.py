@@ -229,6 +229,32 @@ def test_store_check_passes_on_minivllm_and_fails_on_a_typical_mistake():
     assert "should hold" in result.report and "slot_mapping=" in result.report
 
 
+def _merge_by_average(outs, lses):
+    return outs.mean(dim=0)  # as if every split held as many tokens and as much weight
+
+
+def _merge_by_exp_without_the_max(outs, lses):
+    weights = torch.exp(lses)  # overflows float32 once a split's lse passes ~88
+    return (weights[:, :, None] * outs).sum(dim=0) / weights.sum(dim=0)[:, None]
+
+
+def _merge_normalised_over_heads(outs, lses):
+    weights = torch.softmax(lses, dim=1)  # the wrong axis: heads compete, splits do not
+    return (weights[:, :, None] * outs).sum(dim=0)
+
+
+@pytest.mark.parametrize(
+    "mistake", [_merge_by_average, _merge_by_exp_without_the_max, _merge_normalised_over_heads]
+)
+def test_merge_check_passes_on_minivllm_and_fails_on_typical_mistakes(mistake):
+    from minivllm.learning_checks import all_checks, assert_check, run_check
+
+    assert_check("ch06.merge_splits", all_checks()["ch06.merge_splits"].reference())
+    result = run_check("ch06.merge_splits", mistake)
+    assert not result.passed
+    assert "expected" in result.report and "split lengths" in result.report
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_kernels_compiled_for_the_gpu_at_serving_sizes():

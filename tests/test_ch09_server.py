@@ -395,7 +395,7 @@ def test_metrics_count_what_was_served(server, client):
 def test_bench_serve_at_one_rate(server, tiny_llm):
     tokenizer = tiny_llm.get_tokenizer()
     prompts = [tokenizer.encode(f"Benchmark prompt {i} about rivers") for i in range(6)]
-    (result,) = bench_serve(server.base_url, prompts, [8.0], max_tokens=6, max_seconds=60)
+    (result,) = bench_serve(server.base_url, [prompts], [8.0], max_tokens=6, max_seconds=60)
     assert result.num_sent == result.num_completed == 6 and not result.errors
     assert result.num_failed == 0
     assert result.output_throughput == pytest.approx(36 / result.duration_s)
@@ -466,3 +466,19 @@ def test_data_parallel_replicas_serve_behind_the_same_api(model_dir, tiny_llm):
             assert values["vllm:prompt_tokens"] > 0, "a replica was never used"
             assert values["vllm:num_requests_running"] == 0
             assert values["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_bench_serve_stops_past_saturation_and_wants_prompts_per_rate(server, tiny_llm):
+    """A rate at which too few requests complete ends the sweep: the later rates are not run;
+    prompts come one list per rate (fresh prompts, no rate served from another's cache)."""
+    tokenizer = tiny_llm.get_tokenizer()
+    prompts = [[tokenizer.encode(f"Rate {rate} prompt {i}") for i in range(2)] for rate in (1, 2)]
+    with pytest.raises(ValueError, match="one list of prompts per request rate"):
+        bench_serve(server.base_url, prompts[:1], [8.0, 16.0], max_tokens=2)
+    # Demanding more than every request: the first rate already counts as saturated.
+    results = bench_serve(
+        server.base_url, prompts, [8.0, 16.0], max_tokens=2, min_completed_share=1.5
+    )
+    assert [r.request_rate for r in results] == [8.0]
+    assert results[0].num_completed == 2
+    wait_until_idle(server)

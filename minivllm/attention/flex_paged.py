@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 PREFILL_QUERY_TILE = 64
 
 # The fewest query rows in a tile. On a GPU, inductor's Triton kernels compute a tile with
-# tensor-core products, whose sides are at least 16, and refuse a block mask whose tiles their
+# `tl.dot` products, whose sides are at least 16, and refuse a block mask whose tiles their
 # own tile does not divide: a decode tile of 3 rows (one token, 3 query heads per K/V head)
 # would fail at the first decode. The CPU kernel takes any tile; the same rule runs there.
 SMALLEST_QUERY_TILE = 16
@@ -412,7 +412,7 @@ def flex_paged_attention(q: torch.Tensor, kv: torch.Tensor, calls: list[FlexCall
 
 def check_block_size(block_size: int, device: torch.device) -> None:
     """On a GPU a KV block is one tile of keys of inductor's kernel (`kernel_options`): a
-    power of two, at least 16 (a tensor-core product's side)."""
+    power of two, at least 16 (the shortest side `tl.dot` takes)."""
     if device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
         raise ValueError(
             f"attention_backend='flex' on a GPU needs block_size a power of two, at least 16 "

@@ -338,11 +338,19 @@ def paged_decode_attention(
         block_tables.stride(0),
         **decode_constants(queries_per_kv, head_dim, block_size, num_splits, q.dtype),
     )
-    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32, device=q.device)
+    return combine_splits(partial_out, partial_lse).to(q.dtype)
+
+
+def combine_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
+    """Each split's normalised output `[seqs, heads, splits, head_dim]` and log-sum-exp
+    `[seqs, heads, splits]` (float32; -inf for an empty split) merged into the attention over
+    all the splits' tokens, `[seqs, heads, head_dim]` float32."""
+    num_seqs, num_heads, num_splits, head_dim = partial_out.shape
+    out = torch.empty(num_seqs, num_heads, head_dim, dtype=torch.float32, device=partial_out.device)
     _combine_splits_kernel[(num_seqs * num_heads,)](
         partial_out, partial_lse, out, head_dim, **combine_constants(num_splits, head_dim)
     )
-    return out.to(q.dtype)
+    return out
 
 
 def dot_precision(dtype: torch.dtype) -> str:

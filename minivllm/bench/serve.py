@@ -7,7 +7,7 @@ until the engine is saturated; past that point requests queue and TTFT explodes.
 same workload at a few rates and plotting latency against throughput shows where that knee is.
 
     with BackgroundServer(AsyncLLM.from_config(config)) as server:
-        results = bench_serve(server.base_url, prompts, request_rates=[1, 4, 16])
+        results = bench_serve(server.base_url, [prompts_1, prompts_4], request_rates=[1, 4])
     print(format_results(results))
 
 Each request is a streaming `/v1/completions` call with `ignore_eos`, so every request asks
@@ -209,38 +209,75 @@ def served_model(base_url: str, api_key: str | None = None) -> str:
 
 def bench_serve(
     base_url: str,
-    prompts: list[list[int]],
+    prompts_per_rate: list[list[list[int]]],
     request_rates: list[float],
     max_tokens: int = 32,
     max_seconds: float = 60.0,
     model: str | None = None,
     seed: int = 0,
     api_key: str | None = None,
+    min_completed_share: float = 0.0,
 ) -> list[ServeBenchResult]:
-    """The same prompts at each request rate, one rate after the other."""
+    """Each request rate with prompts of its own, one rate after the other.
+
+    Fresh prompts per rate keep a rate from finding an earlier one's prompts in the server's
+    prefix cache. Rates are run in the order given; once fewer than `min_completed_share` of a
+    rate's requests complete within `max_seconds`, the server is past saturation and the
+    rates after it are not run (their requests would only queue longer)."""
     return asyncio.run(
         bench_serve_async(
-            base_url, prompts, request_rates, max_tokens, max_seconds, model, seed, api_key
+            base_url,
+            prompts_per_rate,
+            request_rates,
+            max_tokens,
+            max_seconds,
+            model,
+            seed,
+            api_key,
+            min_completed_share,
         )
     )
 
 
 async def bench_serve_async(
     base_url: str,
-    prompts: list[list[int]],
+    prompts_per_rate: list[list[list[int]]],
     request_rates: list[float],
     max_tokens: int = 32,
     max_seconds: float = 60.0,
     model: str | None = None,
     seed: int = 0,
     api_key: str | None = None,
+    min_completed_share: float = 0.0,
 ) -> list[ServeBenchResult]:
     """`bench_serve` for code already inside an event loop (a notebook: `await` it)."""
+    if len(prompts_per_rate) != len(request_rates):
+        raise ValueError(
+            f"one list of prompts per request rate: got {len(prompts_per_rate)} lists for "
+            f"{len(request_rates)} rates"
+        )
     model = model or served_model(base_url, api_key)
-    return [
-        await run_at_rate(base_url, model, prompts, rate, max_tokens, max_seconds, seed, api_key)
-        for rate in request_rates
-    ]
+    results = []
+    for rate, prompts in zip(request_rates, prompts_per_rate):
+        result = await run_at_rate(
+            base_url, model, prompts, rate, max_tokens, max_seconds, seed, api_key
+        )
+        results.append(result)
+        if result.num_completed < min_completed_share * result.num_sent:
+            break
+    return results
+
+
+def requests_for_rate(rate: float, arrival_seconds: float, at_once: int) -> int:
+    """How many requests a rate gets: `arrival_seconds` of Poisson arrivals on average (enough
+    for the server to settle into its steady state), or `at_once` for rate inf."""
+    return at_once if math.isinf(rate) else max(1, math.ceil(rate * arrival_seconds))
+
+
+def knee_rate(results: list[ServeBenchResult], tokens_per_request: int) -> float:
+    """The request rate whose offered tokens/s equal the most the server delivered at any rate
+    measured: below it the server keeps up, above it requests queue."""
+    return max(r.output_throughput for r in results) / tokens_per_request
 
 
 class ServerProcess:
@@ -248,7 +285,7 @@ class ServerProcess:
     gets an interpreter (and a GIL) of its own, so the client's timing threads do not slow it.
 
         with ServerProcess(["--max-num-seqs", "32"]) as server:
-            results = bench_serve(server.base_url, prompts, [1, 4])
+            results = bench_serve(server.base_url, [prompts_1, prompts_4], [1, 4])
     """
 
     def __init__(self, engine_args: list[str] = (), startup_timeout_s: float = 180):

@@ -140,12 +140,14 @@ def cmd_bench_serve(args) -> None:
     from minivllm.models.loader import load_tokenizer, resolve_model_path
 
     tokenizer = load_tokenizer(resolve_model_path(args.model))
-    workload = throughput_workload(tokenizer, args.num_prompts, output_length=args.max_tokens)
-    print(f"workload: {workload.description}; server: {args.base_url}")
+    rates, n = args.request_rate, args.num_prompts
+    # Prompts of its own for every rate: none finds an earlier rate's in the prefix cache.
+    workload = throughput_workload(tokenizer, n * len(rates), output_length=args.max_tokens)
+    print(f"workload: {workload.description}, {n} per rate; server: {args.base_url}")
     results = bench_serve(
         args.base_url,
-        workload.prompts,
-        args.request_rate,
+        [workload.prompts[i * n : (i + 1) * n] for i in range(len(rates))],
+        rates,
         max_tokens=args.max_tokens,
         max_seconds=args.max_seconds,
         model=args.served_model_name,
@@ -242,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_argument(
         "--request-rate", type=float, nargs="+", default=[1.0, 4.0], help="requests/s (inf: all)"
     )
-    bench_serve.add_argument("--num-prompts", type=int, default=64)
+    bench_serve.add_argument("--num-prompts", type=int, default=64, help="requests per rate")
     bench_serve.add_argument("--max-tokens", type=int, default=32, help="new tokens per request")
     bench_serve.add_argument("--max-seconds", type=float, default=60.0, help="per request rate")
     bench_serve.add_argument(

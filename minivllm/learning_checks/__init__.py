@@ -299,7 +299,8 @@ class _RecordedCalls:
                 raise _StillAStub() from error
             raise
         self.returned = result
-        self.num_returned += 1
+        if not inspect.isasyncgen(result):  # a generator's body has not run yet: not an answer
+            self.num_returned += 1
         return result
 
     def describe_call(self) -> str:
@@ -314,6 +315,14 @@ class _RecordedCalls:
             _describe(value) if key is None else f"{key}={_describe(value)}" for key, value in named
         ]
         return f"{name}({', '.join(arguments)})"
+
+
+def reraise_if_stub(error: BaseException) -> None:
+    """For a check that runs the learner's code later than the call (an async generator's body
+    runs when it is iterated): a stub's NotImplementedError, caught there, stops the check as a
+    stub, as it would at the call."""
+    if isinstance(error, NotImplementedError) and _raised_by_a_stub(error):
+        raise _StillAStub() from error
 
 
 def _raised_by_a_stub(error: NotImplementedError) -> bool:

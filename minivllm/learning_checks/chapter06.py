@@ -1,9 +1,10 @@
-"""Chapter 06's learning check: a Triton kernel that stores the step's new K/V into the pool."""
+"""Chapter 06's learning checks: a Triton kernel that stores the step's new K/V into the pool,
+and the log-sum-exp merge that turns the attention of a sequence's splits into its attention."""
 
 from __future__ import annotations
 
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from minivllm.learning_checks import check_settings, learning_check, show_values
@@ -34,7 +35,7 @@ def check_store_kv(store_kv) -> None:
         block_size=st.integers(1, 4),
         num_blocks=st.integers(1, 4),
         kv_heads=st.integers(1, 3),
-        head_dim=st.sampled_from([2, 4, 8]),
+        head_dim=st.integers(1, 9),  # powers of two and not: a row shorter than its tile
         data=st.data(),
     )
     def property_(block_size, num_blocks, kv_heads, head_dim, data):
@@ -72,5 +73,87 @@ def check_store_kv(store_kv) -> None:
                         f"(slot_mapping={slot_mapping}, block_size={block_size}, "
                         f"kv_heads={kv_heads}, head_dim={head_dim})"
                     )
+
+    property_()
+
+
+def _our_merge_splits():
+    from minivllm.attention.triton_paged import combine_splits
+
+    def merge_splits(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+        # The combine kernel takes [seqs, heads, splits, ...]: one sequence, splits inside.
+        partial_out = outs.permute(1, 0, 2).unsqueeze(0).contiguous()
+        return combine_splits(partial_out, lses.t().unsqueeze(0).contiguous())[0]
+
+    return merge_splits
+
+
+def _split_lengths() -> st.SearchStrategy[list[int]]:
+    """2 to 4 splits of 0 to 12 tokens each (an empty split: a short sequence's last), at least
+    one token in all."""
+    lengths = st.lists(st.integers(0, 12), min_size=2, max_size=4)
+    return lengths.map(lambda split: split if sum(split) else [1] + split[1:])
+
+
+def _attention(scores: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in float64 over `scores [heads, tokens]` and `values [tokens, heads,
+    head_dim]`: (output [heads, head_dim], log-sum-exp [heads]); zeros and -inf without tokens."""
+    heads, tokens = scores.shape
+    if tokens == 0:
+        empty = torch.full((heads,), float("-inf"), dtype=scores.dtype)
+        return torch.zeros(heads, values.shape[-1], dtype=scores.dtype), empty
+    weights = torch.softmax(scores, dim=-1)
+    return torch.einsum("ht,thd->hd", weights, values), torch.logsumexp(scores, dim=-1)
+
+
+@learning_check(
+    "ch06.merge_splits",
+    signature="merge_splits(outs: Tensor[splits, heads, head_dim], lses: Tensor[splits, heads]) "
+    "-> Tensor[heads, head_dim]: the attention over all the splits' tokens together, from each "
+    "split's own; outs[s] is split s's softmax-normalised output over its tokens and lses[s] "
+    "the log of its sum of exp(score) (float32; an empty split has lse -inf and output 0). "
+    "Do not overflow where exp(lse) would.",
+    reference=_our_merge_splits,
+)
+def check_merge_splits(merge_splits) -> None:
+    """Against softmax over the whole sequence, computed in float64: random scores (at scales
+    where exp(lse) overflows float32) and values, head sizes of any length, split anywhere,
+    empty splits included."""
+
+    @check_settings(max_examples=40)
+    @given(
+        heads=st.integers(1, 4),
+        head_dim=st.integers(1, 80),
+        lengths=_split_lengths(),
+        scale=st.sampled_from([1.0, 10.0, 100.0]),
+        seed=st.integers(0, 2**16),
+    )
+    @example(heads=2, head_dim=3, lengths=[5, 0, 2], scale=100.0, seed=0)
+    @example(heads=3, head_dim=7, lengths=[4, 6], scale=1.0, seed=1)
+    def property_(heads, head_dim, lengths, scale, seed):
+        generator = torch.Generator().manual_seed(seed)
+        tokens = sum(lengths)
+        scores = torch.randn(heads, tokens, generator=generator, dtype=torch.float64) * scale
+        values = torch.randn(tokens, heads, head_dim, generator=generator, dtype=torch.float64)
+        expected, _ = _attention(scores, values)
+        splits, start = [], 0
+        for length in lengths:
+            splits.append(
+                _attention(scores[:, start : start + length], values[start : start + length])
+            )
+            start += length
+        outs = torch.stack([out for out, _ in splits]).float()
+        lses = torch.stack([lse for _, lse in splits]).float()
+        got = merge_splits(outs.clone(), lses.clone())
+        if tuple(got.shape) != (heads, head_dim):
+            raise AssertionError(f"expected shape {(heads, head_dim)}, got {tuple(got.shape)}")
+        close = torch.isclose(got.double().cpu(), expected, rtol=1e-4, atol=1e-4)
+        if not close.all():
+            head = int((~close).any(dim=-1).nonzero()[0])
+            raise AssertionError(
+                f"head {head}: expected {show_values(expected[head])}, got "
+                f"{show_values(got[head])} (split lengths {lengths}, lses of head {head}: "
+                f"{[round(float(x), 3) for x in lses[:, head]]}, head_dim {head_dim})"
+            )
 
     property_()

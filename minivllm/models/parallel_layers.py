@@ -114,7 +114,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(Linear):
-    """y = sum over ranks of x_rank W[:, rank's columns]^T (+ bias once): the all-reduce."""
+    """y = sum over ranks of x_rank W[:, rank's columns]^T (+ bias once): the all-reduce.
+
+    The bias is added once, after the sum. vLLM's RowParallelLinear counts it once the other
+    way round: rank 0 passes it to its own matmul, before the all-reduce, and the other ranks
+    pass none. Either way it is counted once."""
 
     def __init__(
         self,

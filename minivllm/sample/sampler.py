@@ -18,6 +18,11 @@ applied to the whole batch at once with per-row parameters:
 and that the final draw uses an explicit random generator per seeded request, so a seeded request
 produces the same tokens whichever other requests happen to share its batch.
 
+One difference from vLLM V1's order: vLLM applies min-p right after the temperature, before
+top-k and top-p. Alone, or with top-k, min-p keeps the same tokens either way (its window is
+measured from the largest logit, which every filter keeps); with top-p as well, vLLM's top-p
+works on the min-p-renormalised distribution and can keep fewer tokens.
+
 NaN and inf never decide a token: a logit that came in at -inf (chapter 10's grammar mask) stays
 there whatever the penalties do, NaN counts as -inf, and a row left with nothing to sample is
 reported in `SamplerOutput.errors` (its request ends with that error) instead of giving token 0.
@@ -290,9 +295,10 @@ class Sampler:
     def _adjusted_logits(
         self, logits: torch.Tensor, rows: list[SamplingRow]
     ) -> tuple[torch.Tensor, bool]:
-        """logit_bias, penalties and the min_tokens ban, in float32 (vLLM's order): what a
-        greedy row takes the argmax of; and whether every logit was found finite (the common
-        step, left as it came)."""
+        """logit_bias, penalties and the min_tokens ban, in float32: what a greedy row takes
+        the argmax of; and whether every logit was found finite (the common step, left as it
+        came). vLLM bans first, before the bias and the penalties; the result is the same,
+        since neither lifts a -inf."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(
                 f"logits must be [len(rows), vocab] = [{len(rows)}, vocab], "

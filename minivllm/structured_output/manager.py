@@ -168,7 +168,9 @@ def _parse_grammar_key(key: str):
     try:
         if kind == "json":
             # Compact JSON (no free whitespace): a small model, free to add spaces, may keep
-            # adding them until max_tokens.
+            # adding them until max_tokens. vLLM's xgrammar backend allows any whitespace
+            # unless the server sets disable_any_whitespace; both keep xgrammar's strict_mode
+            # (no property or item the schema does not list).
             schema = value if isinstance(value, str) else json.dumps(value)
             return xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
         if kind == "json_object":  # any JSON object, as vLLM compiles it
@@ -274,8 +276,8 @@ class RequestGrammar:
 def apply_token_bitmasks(logits: torch.Tensor, rows: list[int], bitmasks: torch.Tensor) -> None:
     """Set the forbidden tokens' logits to -inf in the given rows, in place (bitmasks[i]
     belongs to logits[rows[i]]). Bit j of word w is token 32 * w + j; bits past the vocabulary
-    are ignored. (Written out rather than xgrammar's CPU kernel, which can write past the end
-    of a row whose length is not a whole number of 32-token words.)"""
+    are ignored. (Written out rather than calling xgrammar's apply_token_bitmask_inplace: the
+    format in a few lines, and the same tensor operations on every device.)"""
     vocab_size = logits.shape[-1]
     # Shift each word right by 0..31 and keep the lowest bit. On int32 the shift is arithmetic,
     # but the bit kept is still bit j, so the sign bit (31) reads like any other.

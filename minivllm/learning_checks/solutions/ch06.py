@@ -1,4 +1,5 @@
-"""Chapter 06's solution: the store kernel, one program per (token, K/V head)."""
+"""Chapter 06's solutions: the store kernel, one program per (token, K/V head); the merge of
+splits by their log-sum-exps."""
 
 import torch
 import triton
@@ -29,3 +30,12 @@ def store_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: t
         k.contiguous(), v.contiguous(), kv[0], kv[1], slot_mapping, kv_heads, head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
     )  # fmt: skip
+
+
+def merge_splits(outs: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    # Split s holds exp(lse_s) of the whole sum of exp(score): its share is exp(lse_s) / sum_t
+    # exp(lse_t). Subtracting the largest lse first keeps every exp at most 1 (no overflow),
+    # and an empty split's exp(-inf) is 0: it adds nothing.
+    weights = torch.exp(lses - lses.max(dim=0).values)  # [splits, heads]
+    weights = weights / weights.sum(dim=0)
+    return (weights[:, :, None] * outs).sum(dim=0)
