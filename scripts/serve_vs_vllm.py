@@ -12,6 +12,10 @@ client against both servers.
 
 The workload is random 256-token prompts, 64 tokens out (ignore_eos), 32 prompts arriving as a
 Poisson process at 4 requests/s, float32: each server gets the same prompts (same seed).
+
+A cross-check of minivllm's own client: against the minivllm server, `minivllm bench serve`'s
+client (`bench/serve.py`) runs the same shape of load after vLLM's (32 fresh chat prompts of 256
+tokens, 64 out, 4 requests/s), and the report puts the two clients' numbers side by side.
 """
 
 from __future__ import annotations
@@ -72,20 +76,48 @@ def bench(vllm_python: Path, base_url: str, model_dir: str, args, result_file: P
     return json.loads(result_file.read_text())
 
 
-def run_server(name: str, command: list[str], env: dict, port: int, args, workdir: Path) -> dict:
+def bench_ours(base_url: str, args) -> dict:
+    """minivllm's client on the same shape of load, under vLLM's result names."""
+    from minivllm.bench.serve import bench_serve
+    from minivllm.bench.workloads import throughput_workload
+    from minivllm.models.loader import load_tokenizer
+
+    prompts = throughput_workload(
+        load_tokenizer(args.model), args.num_prompts, (args.input_len, args.input_len + 1),
+        args.output_len, seed=1,
+    ).prompts  # fmt: skip
+    (result,) = bench_serve(
+        base_url, [prompts], [args.request_rate], max_tokens=args.output_len, max_seconds=600,
+        model=SERVED_NAME,
+    )  # fmt: skip
+    return {
+        "output_throughput": result.output_throughput,
+        "median_ttft_ms": result.ttft_ms["p50"],
+        "p99_ttft_ms": result.ttft_ms["p99"],
+        "median_tpot_ms": result.tpot_ms["p50"],
+        "median_itl_ms": result.itl_ms["p50"],
+        "completed": result.num_completed,
+    }
+
+
+def run_server(
+    name: str, command: list[str], env: dict, port: int, args, workdir: Path, ours: bool = False
+) -> tuple[dict, dict | None]:
+    """vLLM's client against the server; with `ours`, minivllm's client after it."""
     base_url = f"http://127.0.0.1:{port}"
     log = open(workdir / f"{name}.log", "w")
     server = subprocess.Popen(command, env={**os.environ, **env}, stdout=log, stderr=log)
     try:
         wait_for_health(base_url, server, timeout_s=600)
         result = bench(args.vllm_python, base_url, args.model, args, workdir / f"{name}.json")
+        our_result = bench_ours(base_url, args) if ours else None
     finally:
         server.terminate()
         server.wait(timeout=60)
         log.close()
     keys = ("output_throughput", "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms")
-    keys += ("mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "completed")
-    return {key: result[key] for key in keys if key in result}
+    keys += ("mean_tpot_ms", "median_tpot_ms", "mean_itl_ms", "median_itl_ms", "completed")
+    return {key: result[key] for key in keys if key in result}, our_result
 
 
 def main() -> None:
@@ -121,12 +153,14 @@ def main() -> None:
             {},
         ),
     }
-    results = {}
+    results, cross_check = {}, None
     with tempfile.TemporaryDirectory() as workdir:
         for name, (command, env) in servers.items():
-            results[name] = run_server(
-                f"server{len(results)}", command, env, 8301, args, Path(workdir)
-            )
+            results[name], ours = run_server(
+                f"server{len(results)}", command, env, 8301, args, Path(workdir),
+                ours=name == "minivllm",
+            )  # fmt: skip
+            cross_check = ours or cross_check
             print(name, results[name], flush=True)
     ratio = results["minivllm"]["output_throughput"] / results["vllm (tuned)"]["output_throughput"]
     report = {
@@ -134,6 +168,12 @@ def main() -> None:
         | {"output_len": args.output_len, "dtype": "float32", "cpus": os.cpu_count()},
         "servers": results,
         "minivllm_over_vllm_output_throughput": ratio,
+        # The minivllm server measured by both clients: vLLM's (random token ids) and ours
+        # (chat prompts of the same length), one after the other.
+        "clients_on_minivllm": {
+            "vllm bench serve": results["minivllm"],
+            "minivllm bench serve": cross_check,
+        },
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -58,3 +58,12 @@ def test_every_chapter_notebook_has_its_gpu_section():
         ]
         assert f'load_gpu_results("{chapter}"' in code, path.name
         assert any("On a GPU" in h or "On GPUs" in h for h in headings), path.name
+
+
+def test_every_notebook_first_says_which_code_and_machine_made_its_numbers():
+    """The first code cell prints the commit (`code_version`) and the machine (`machine_label`),
+    so a committed output can be traced to the code and the processor that printed it."""
+    for path in NOTEBOOKS:
+        notebook = nbformat.read(path, as_version=4)
+        first = next(cell for cell in notebook.cells if cell.cell_type == "code")
+        assert "code_version()" in first.source and "machine_label()" in first.source, path.name

@@ -729,3 +729,18 @@ def device_label() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name()
     return f"CPU ({os.cpu_count()} cores)"
+
+
+def machine_label() -> str:
+    """The machine a notebook ran on, for its first output: the processor's model, its cores,
+    the GPU if there is one, and PyTorch's version (numbers from two machines do not compare)."""
+    import platform
+
+    processor = platform.processor() or "unknown processor"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        models = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("model name")]  # fmt: skip
+        processor = models[0] if models else processor
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{processor}, {os.cpu_count()} cores{gpu}, torch {torch.__version__}"
