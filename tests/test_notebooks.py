@@ -67,3 +67,20 @@ def test_every_notebook_first_says_which_code_and_machine_made_its_numbers():
         notebook = nbformat.read(path, as_version=4)
         first = next(cell for cell in notebook.cells if cell.cell_type == "code")
         assert "code_version()" in first.source and "machine_label()" in first.source, path.name
+
+
+def test_every_notebook_ran_on_one_commit():
+    """The committed outputs are one run of the book: every notebook's first output names the
+    commit whose code printed it, and all name the same one, so numbers quoted across chapters
+    come from the same engine."""
+    import re
+
+    commits = {}
+    for path in NOTEBOOKS:
+        notebook = nbformat.read(path, as_version=4)
+        first = next(cell for cell in notebook.cells if cell.cell_type == "code")
+        printed = "".join(output.get("text", "") for output in first.outputs)
+        found = re.search(r"ran on commit ([0-9a-f]{7,})", printed)
+        assert found, f"{path.name}'s first output names no commit: {printed[:200]!r}"
+        commits[path.stem] = found.group(1)
+    assert len(set(commits.values())) == 1, commits

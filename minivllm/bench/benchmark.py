@@ -702,9 +702,10 @@ def write_json(path: str | Path, workload: Workload, results: list[MethodResult]
 
 
 def code_version() -> str:
-    """The commit the package runs from (short hash, "+changes" when the tree differs from it),
+    """The commit the package runs from (short hash, "+changes" when the code differs from it),
     so a notebook's printed numbers say which code made them; the package version outside a
-    git checkout."""
+    git checkout. The notebooks' outputs and figures are not code: running the book's notebooks
+    one after the other rewrites them, and the later ones still run on the same commit."""
     import subprocess
     from importlib.metadata import version
 
@@ -718,7 +719,9 @@ def code_version() -> str:
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
-        changed = git("status", "--porcelain", "--untracked-files=no")
+        changed = git(
+            "status", "--porcelain", "--untracked-files=no", "--", ".", ":!notebooks", ":!figures"
+        )
     except (OSError, subprocess.SubprocessError):
         return f"minivllm {version('minivllm')}"
     return f"commit {commit}" + ("+changes" if changed else "")
