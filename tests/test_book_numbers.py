@@ -38,12 +38,25 @@ def notebook_output_text(path: Path) -> str:
     return "\n".join(texts)
 
 
-def measurement_section(chapter: Path) -> str:
-    text = chapter.read_text()
-    start = text.index("## The measurement")
+def section(text: str, heading: str) -> str:
+    """The text under a `## heading` line, up to the next `## ` heading."""
+    start = re.search(rf"^## {re.escape(heading)}$", text, re.MULTILINE).start()
     end = text.find("\n## ", start + 1)
-    section = text[start:] if end == -1 else text[start:end]
-    return re.sub(r"!\[[^\]]*\]\([^)]*\)", "", section)  # captions name sizes, not results
+    return text[start:] if end == -1 else text[start:end]
+
+
+def measurement_section(chapter: Path) -> str:
+    measured = section(chapter.read_text(), "The measurement")
+    return re.sub(r"!\[[^\]]*\]\([^)]*\)", "", measured)  # captions name sizes, not results
+
+
+def not_printed(quoted: str, printed: list[tuple[float, int]]) -> list[float]:
+    """The decimal numbers of `quoted` that no printed number equals at the quoted precision."""
+    return [
+        value
+        for value, places in decimals(quoted)
+        if not any(round(x, places) == round(value, places) for x, _ in printed)
+    ]
 
 
 CHAPTERS = [
@@ -66,11 +79,7 @@ CHAPTERS = [
 )
 def test_measurement_numbers_come_from_the_notebook(chapter):
     printed = decimals(notebook_output_text(ROOT / "notebooks" / f"{chapter.stem}.ipynb"))
-    missing = [
-        value
-        for value, places in decimals(measurement_section(chapter))
-        if not any(round(x, places) == round(value, places) for x, _ in printed)
-    ]
+    missing = not_printed(measurement_section(chapter), printed)
     assert not missing, f"{chapter.name} quotes numbers its notebook never printed: {missing}"
 
 
@@ -78,25 +87,14 @@ def test_there_are_chapters_to_check():
     assert len(CHAPTERS) >= 6, [p.name for p in CHAPTERS]
 
 
-def readme_section(heading: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    start = text.index(f"\n## {heading}\n")
-    end = text.find("\n## ", start + 1)
-    return text[start:] if end == -1 else text[start:end]
-
-
 @pytest.mark.parametrize("heading", ["Goals", "How fast"])
 def test_readme_numbers_come_from_the_notebooks(heading):
     """The README's goals and speeds are copies of notebook outputs, not numbers of their own: a
     re-run that moves them leaves the README failing until it is brought up to date."""
     printed = [
-        x
+        number
         for notebook in sorted((ROOT / "notebooks").glob("*.ipynb"))
-        for x, _ in decimals(notebook_output_text(notebook))
+        for number in decimals(notebook_output_text(notebook))
     ]
-    missing = [
-        value
-        for value, places in decimals(readme_section(heading))
-        if not any(round(x, places) == round(value, places) for x in printed)
-    ]
+    missing = not_printed(section((ROOT / "README.md").read_text(), heading), printed)
     assert not missing, f"README's {heading!r} quotes numbers no notebook printed: {missing}"

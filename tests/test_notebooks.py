@@ -60,12 +60,16 @@ def test_every_chapter_notebook_has_its_gpu_section():
         assert any("On a GPU" in h or "On GPUs" in h for h in headings), path.name
 
 
+def first_code_cell(path: Path):
+    notebook = nbformat.read(path, as_version=4)
+    return next(cell for cell in notebook.cells if cell.cell_type == "code")
+
+
 def test_every_notebook_first_says_which_code_and_machine_made_its_numbers():
     """The first code cell prints the commit (`code_version`) and the machine (`machine_label`),
     so a committed output can be traced to the code and the processor that printed it."""
     for path in NOTEBOOKS:
-        notebook = nbformat.read(path, as_version=4)
-        first = next(cell for cell in notebook.cells if cell.cell_type == "code")
+        first = first_code_cell(path)
         assert "code_version()" in first.source and "machine_label()" in first.source, path.name
 
 
@@ -77,8 +81,7 @@ def test_every_notebook_ran_on_one_commit():
 
     commits = {}
     for path in NOTEBOOKS:
-        notebook = nbformat.read(path, as_version=4)
-        first = next(cell for cell in notebook.cells if cell.cell_type == "code")
+        first = first_code_cell(path)
         printed = "".join(output.get("text", "") for output in first.outputs)
         found = re.search(r"ran on commit ([0-9a-f]{7,})", printed)
         assert found, f"{path.name}'s first output names no commit: {printed[:200]!r}"

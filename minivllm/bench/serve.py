@@ -268,6 +268,13 @@ async def bench_serve_async(
     return results
 
 
+def split_per_rate(prompts: list[list[int]], num_rates: int) -> list[list[list[int]]]:
+    """`prompts` cut into `num_rates` consecutive slices of equal length, one per rate: fresh
+    prompts for every rate from one workload."""
+    n = len(prompts) // num_rates
+    return [prompts[i * n : (i + 1) * n] for i in range(num_rates)]
+
+
 def requests_for_rate(rate: float, arrival_seconds: float, at_once: int) -> int:
     """How many requests a rate gets: `arrival_seconds` of Poisson arrivals on average (enough
     for the server to settle into its steady state), or `at_once` for rate inf."""

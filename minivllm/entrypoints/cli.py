@@ -135,7 +135,7 @@ def cmd_serve(args) -> None:
 def cmd_bench_serve(args) -> None:
     import json
 
-    from minivllm.bench.serve import bench_serve, format_results
+    from minivllm.bench.serve import bench_serve, format_results, split_per_rate
     from minivllm.bench.workloads import throughput_workload
     from minivllm.models.loader import load_tokenizer, resolve_model_path
 
@@ -146,7 +146,7 @@ def cmd_bench_serve(args) -> None:
     print(f"workload: {workload.description}, {n} per rate; server: {args.base_url}")
     results = bench_serve(
         args.base_url,
-        [workload.prompts[i * n : (i + 1) * n] for i in range(len(rates))],
+        split_per_rate(workload.prompts, len(rates)),
         rates,
         max_tokens=args.max_tokens,
         max_seconds=args.max_seconds,

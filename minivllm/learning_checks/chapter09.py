@@ -230,13 +230,12 @@ def check_generate(generate) -> None:
         choices = {"reads to the end": 1, "leaves": num_outputs - 1, "is cancelled": num_outputs}
         stop_after = first + offset % choices[how]
         engine, received = _run_scenario(generate, num_outputs, how, stop_after)
-        story = f"a client that {how}" + (
-            f" after {stop_after} of {num_outputs} outputs"
-            if how == "leaves"
-            else f" while waiting for output {stop_after} of {num_outputs}"
-            if how == "is cancelled"
-            else f" ({num_outputs} outputs)"
-        )
+        when = {
+            "reads to the end": f" ({num_outputs} outputs)",
+            "leaves": f" after {stop_after} of {num_outputs} outputs",
+            "is cancelled": f" while waiting for output {stop_after} of {num_outputs}",
+        }[how]
+        story = f"a client that {how}{when}"
         if engine.added != [("request-0", [1, 2, 3])]:
             raise AssertionError(
                 f"{story}: expected one engine.add_request('request-0', [1, 2, 3]), got "

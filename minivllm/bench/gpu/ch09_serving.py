@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 from minivllm.bench.benchmark import workload_kv_cache_bytes
 from minivllm.bench.gpu.common import DTYPE, Chapter, Run
 from minivllm.bench.gpu_results import SERVING_LATENCIES, plot_latency_against_throughput
-from minivllm.bench.serve import ServerProcess, run_at_rate, served_model
+from minivllm.bench.serve import ServerProcess, run_at_rate, served_model, split_per_rate
 from minivllm.bench.workloads import Workload, throughput_workload
 from minivllm.config import EngineConfig
 
@@ -104,7 +104,7 @@ def fresh_prompts(run: Run) -> tuple[Workload, list[list[list[int]]]]:
         f"{PROMPT_LENGTHS[0]}-{PROMPT_LENGTHS[1]} tokens, {sizes.serve_output} new tokens each, "
         "streamed",
     )
-    return workload, [everything.prompts[i * n : (i + 1) * n] for i in range(len(rates))]
+    return workload, split_per_rate(everything.prompts, len(rates))
 
 
 def server_args(run: Run, prompts_per_rate: list[list[list[int]]]) -> list[str]:
