@@ -1,0 +1,319 @@
+// Chapter 06, "The same kernel on a CPU": paged attention over the whole flat batch in one call,
+// reading K/V where they lie in the pool. Built at first use by `attention/cpu_paged.py`.
+//
+// Two operators, registered as torch.ops.minivllm_cpu.*:
+//   store_kv(kv, k, v, slot_mapping)        the new tokens' K/V into their pool slots
+//   paged_attention(out, q, kv, block_tables, work, merges, scale, max_splits)
+//
+// The step's work is planned once in Python (`plan_work`) and reused by every layer. A work item
+// is one sequence's slice of query rows, for one K/V head, over one range of its keys:
+//   work[i] = [seq, kv_head, row_begin, row_end, first_position, key_begin, key_end, split]
+// The thread that takes an item attends every query head of the K/V head's group (GQA), so each
+// K/V block is read once per item, not once per query head. An item whose keys are the whole
+// visible context (split = -1) writes its rows of `out`; a long decode is cut into splits along
+// its keys, each writes a partial result and its log-sum-exp, and `merges` lists the rows whose
+// splits are then merged: the algorithm of chapter 06's Triton decode kernel.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int kWorkFields = 8;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// q . k over `dim` floats: whole vectors, then the tail one element at a time.
+inline float dot(const float* q, const float* k, int64_t dim) {
+  Vec sum(0.0f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= dim; d += Vec::size())
+    sum = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), sum);
+  float total = at::vec::vec_reduce_all<float>(std::plus<Vec>(), sum);
+  for (; d < dim; ++d) total += q[d] * k[d];
+  return total;
+}
+
+// acc = acc * rescale + p * v over `dim` floats.
+inline void scale_add(float* acc, float rescale, float p, const float* v, int64_t dim) {
+  int64_t d = 0;
+  for (; d + Vec::size() <= dim; d += Vec::size())
+    at::vec::fmadd(Vec::loadu(acc + d), Vec(rescale), Vec(p) * Vec::loadu(v + d)).store(acc + d);
+  for (; d < dim; ++d) acc[d] = acc[d] * rescale + p * v[d];
+}
+
+// Rows of K or V as float32, `stride` floats apart: a float32 pool is read in place; bfloat16 rows
+// are widened once into `scratch`, then serve every query head of the group.
+struct FloatRows {
+  const float* data;
+  int64_t stride;
+};
+
+template <typename T>
+inline FloatRows as_float(const T* rows, int64_t count, int64_t stride, int64_t dim,
+                          float* scratch) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {rows, stride};
+  } else {
+    for (int64_t j = 0; j < count; ++j)
+      for (int64_t d = 0; d < dim; ++d) scratch[j * dim + d] = static_cast<float>(rows[j * stride + d]);
+    return {scratch, dim};
+  }
+}
+
+// The running softmax of one query row: its largest score so far, the sum of exp(score - max),
+// and the weighted sum of values (`acc`, head_dim floats), kept unnormalized until the end.
+struct RunningSoftmax {
+  float max_score = kNegInf;
+  float sum = 0.0f;
+};
+
+struct Pool {  // where K/V of (block, offset, head) lie: [2, blocks, block_size, kv_heads, dim]
+  int64_t num_blocks, block_size, num_kv_heads, dim;
+  int64_t token_stride() const { return num_kv_heads * dim; }
+  int64_t half_stride() const { return num_blocks * block_size * token_stride(); }
+};
+
+// Attend one work item. Rows are (query token, query head of the group); query row r of the slice
+// sits at position first_position + r and sees keys up to there (the causal mask shifted by the
+// sequence's cached tokens), clipped to the item's key range [key_begin, key_end).
+template <typename T>
+void attend_item(const int32_t* item, const T* q, int64_t q_token_stride, const T* kv,
+                 const int32_t* block_table, const Pool& pool, int64_t num_heads, float scale,
+                 T* out, float* partial_out, float* partial_lse, int64_t max_splits) {
+  const int64_t kv_head = item[1], row_begin = item[2], row_end = item[3];
+  const int64_t first_position = item[4], key_begin = item[5], key_end = item[6];
+  const int64_t split = item[7];
+  const int64_t dim = pool.dim, group = num_heads / pool.num_kv_heads;
+  const int64_t num_rows = (row_end - row_begin) * group;
+
+  // This item's queries as float32, pre-multiplied by the softmax scale, and their accumulators.
+  std::vector<float> queries(num_rows * dim), acc(num_rows * dim, 0.0f);
+  std::vector<RunningSoftmax> state(num_rows);
+  for (int64_t t = 0; t < row_end - row_begin; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const T* src = q + (row_begin + t) * q_token_stride + (kv_head * group + g) * dim;
+      for (int64_t d = 0; d < dim; ++d)
+        queries[(t * group + g) * dim + d] = static_cast<float>(src[d]) * scale;
+    }
+
+  // Keys are taken a block at a time (the part of it in range): one lookup in the block table,
+  // one rescale of each row's sum per block. The last row sees the most keys; none past it is read.
+  std::vector<float> k_scratch(pool.block_size * dim), v_scratch(pool.block_size * dim);
+  std::vector<float> scores(pool.block_size);
+  const int64_t last_key = std::min(key_end, first_position + (row_end - row_begin));
+  for (int64_t chunk_begin = key_begin, chunk_end; chunk_begin < last_key; chunk_begin = chunk_end) {
+    chunk_end = std::min(last_key, (chunk_begin / pool.block_size + 1) * pool.block_size);
+    const int64_t block = block_table[chunk_begin / pool.block_size];
+    const int64_t first_slot = block * pool.block_size + chunk_begin % pool.block_size;
+    const T* k_rows = kv + first_slot * pool.token_stride() + kv_head * dim;
+    const int64_t count = chunk_end - chunk_begin, stride = pool.token_stride();
+    const FloatRows keys = as_float(k_rows, count, stride, dim, k_scratch.data());
+    const FloatRows values = as_float(k_rows + pool.half_stride(), count, stride, dim, v_scratch.data());
+    for (int64_t row = 0; row < num_rows; ++row) {
+      // Row r sees keys up to position first_position + r / group: later ones are its future.
+      const int64_t visible = std::min(count, first_position + row / group - chunk_begin + 1);
+      if (visible <= 0) continue;
+      float chunk_max = kNegInf;
+      for (int64_t j = 0; j < visible; ++j) {
+        scores[j] = dot(queries.data() + row * dim, keys.data + j * keys.stride, dim);
+        chunk_max = std::max(chunk_max, scores[j]);
+      }
+      // A new maximum rescales what was summed so far; exp never sees a positive argument.
+      RunningSoftmax& s = state[row];
+      const float new_max = std::max(s.max_score, chunk_max);
+      float rescale = std::exp(s.max_score - new_max);
+      for (int64_t j = 0; j < visible; ++j) {
+        const float p = std::exp(scores[j] - new_max);
+        s.sum = s.sum * rescale + p;
+        scale_add(acc.data() + row * dim, rescale, p, values.data + j * values.stride, dim);
+        rescale = 1.0f;  // the old sum is rescaled once, with the first key of the chunk
+      }
+      s.max_score = new_max;
+    }
+  }
+
+  for (int64_t t = 0; t < row_end - row_begin; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t row = t * group + g, head = kv_head * group + g, token = row_begin + t;
+      const RunningSoftmax& s = state[row];
+      const float inv_sum = s.sum > 0.0f ? 1.0f / s.sum : 0.0f;  // an empty split has sum 0
+      if (split < 0) {
+        T* dst = out + (token * num_heads + head) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[row * dim + d] * inv_sum);
+      } else {
+        const int64_t at = (token * num_heads + head) * max_splits + split;
+        for (int64_t d = 0; d < dim; ++d) partial_out[at * dim + d] = acc[row * dim + d] * inv_sum;
+        partial_lse[at] = s.sum > 0.0f ? s.max_score + std::log(s.sum) : kNegInf;
+      }
+    }
+}
+
+// Merge a row's splits: each partial result is weighted by exp(its log-sum-exp - the largest).
+template <typename T>
+void merge_row(int64_t token, int64_t num_splits, int64_t num_heads, int64_t dim,
+               int64_t max_splits, const float* partial_out, const float* partial_lse, T* out) {
+  for (int64_t head = 0; head < num_heads; ++head) {
+    const int64_t at = (token * num_heads + head) * max_splits;
+    float largest = kNegInf;
+    for (int64_t s = 0; s < num_splits; ++s) largest = std::max(largest, partial_lse[at + s]);
+    std::vector<float> merged(dim, 0.0f);
+    float total = 0.0f;
+    for (int64_t s = 0; s < num_splits; ++s) {
+      const float w = std::exp(partial_lse[at + s] - largest);
+      total += w;
+      for (int64_t d = 0; d < dim; ++d) merged[d] += w * partial_out[(at + s) * dim + d];
+    }
+    T* dst = out + (token * num_heads + head) * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(merged[d] / total);
+  }
+}
+
+// A token's [heads, dim] lie dense, tokens any distance apart: the model's q, k and v are column
+// slices of one fused projection, read where they are instead of copied.
+bool rows_are_dense(const at::Tensor& t) {
+  return t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2)) &&
+         (t.size(0) == 1 || t.stride(0) >= t.size(1) * t.size(2));
+}
+
+// Every item is checked before any thread starts: a bad plan or block table is an error, never a
+// read outside the pool.
+void check_work(const at::Tensor& work, const at::Tensor& block_tables, const Pool& pool,
+                int64_t num_tokens, int64_t max_splits) {
+  const int32_t* w = work.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t width = block_tables.size(1);
+  for (int64_t i = 0; i < work.size(0); ++i) {
+    const int32_t* item = w + i * kWorkFields;
+    TORCH_CHECK(item[0] >= 0 && item[0] < block_tables.size(0), "work item ", i,
+                ": sequence ", item[0], " has no block table");
+    TORCH_CHECK(item[1] >= 0 && item[1] < pool.num_kv_heads, "work item ", i, ": K/V head ",
+                item[1], " out of range");
+    TORCH_CHECK(0 <= item[2] && item[2] < item[3] && item[3] <= num_tokens, "work item ", i,
+                ": query rows [", item[2], ", ", item[3], ") not in the batch's ", num_tokens);
+    TORCH_CHECK(0 <= item[5] && item[5] <= item[6] && item[6] <= width * pool.block_size,
+                "work item ", i, ": keys [", item[5], ", ", item[6], ") beyond its block table");
+    TORCH_CHECK(item[4] >= 0 && item[7] < max_splits, "work item ", i, ": bad position or split");
+    const int64_t blocks_read = (std::min<int64_t>(item[6], item[4] + item[3] - item[2]) +
+                                 pool.block_size - 1) / pool.block_size;
+    for (int64_t b = item[5] / pool.block_size; b < blocks_read; ++b) {
+      const int32_t block = tables[item[0] * width + b];
+      TORCH_CHECK(block >= 0 && block < pool.num_blocks, "sequence ", item[0], " names block ",
+                  block, ", the pool has ", pool.num_blocks);
+    }
+  }
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv,
+                     const at::Tensor& block_tables, const at::Tensor& work,
+                     const at::Tensor& merges, double scale, int64_t max_splits) {
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous(),
+              "kv must be a contiguous pool [2, blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == kv.size(4) && rows_are_dense(q),
+              "q must be [tokens, heads, dim] with the pool's head size, each token's heads dense");
+  TORCH_CHECK(q.size(1) % kv.size(3) == 0, "query heads must be a multiple of K/V heads");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), "out must be shaped like q");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, kv and out must share one dtype");
+  TORCH_CHECK(q.device().is_cpu() && kv.device().is_cpu(), "the cpu backend runs on the CPU");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous(), "block_tables must be contiguous int32 [seqs, width]");
+  TORCH_CHECK(work.scalar_type() == at::kInt && work.dim() == 2 && work.size(1) == kWorkFields &&
+                  work.is_contiguous(), "work must be contiguous int32 [items, 8]");
+  TORCH_CHECK(merges.scalar_type() == at::kInt && merges.dim() == 2 && merges.size(1) == 2 &&
+                  merges.is_contiguous(), "merges must be contiguous int32 [rows, 2]");
+  TORCH_CHECK(max_splits >= 1, "max_splits must be at least 1");
+  const Pool pool{kv.size(1), kv.size(2), kv.size(3), kv.size(4)};
+  const int64_t num_tokens = q.size(0), num_heads = q.size(1), dim = pool.dim;
+  check_work(work, block_tables, pool, num_tokens, max_splits);
+  for (int64_t i = 0; i < merges.size(0); ++i) {
+    const int32_t* m = merges.data_ptr<int32_t>() + 2 * i;
+    TORCH_CHECK(0 <= m[0] && m[0] < num_tokens && 1 <= m[1] && m[1] <= max_splits,
+                "merge ", i, " names row ", m[0], " with ", m[1], " splits");
+  }
+
+  // Partial results exist only for split rows; an unsplit step allocates almost nothing.
+  const int64_t partial_rows = merges.size(0) > 0 ? num_tokens : 0;
+  at::Tensor partial_out = at::empty({partial_rows, num_heads, max_splits, dim}, q.options().dtype(at::kFloat));
+  at::Tensor partial_lse = at::empty({partial_rows, num_heads, max_splits}, q.options().dtype(at::kFloat));
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    const int32_t* items = work.data_ptr<int32_t>();
+    const int64_t num_items = work.size(0), width = block_tables.size(1);
+    // Items differ in cost (a prefill chunk against a decode), so threads do not get fixed
+    // shares: each takes the next untaken item until none is left.
+    std::atomic<int64_t> next_item{0};
+    at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+      for (int64_t i = next_item++; i < num_items; i = next_item++) {
+        const int32_t* item = items + i * kWorkFields;
+        attend_item<scalar_t>(item, q.data_ptr<scalar_t>(), q.stride(0), kv.data_ptr<scalar_t>(),
+                              block_tables.data_ptr<int32_t>() + item[0] * width, pool, num_heads,
+                              static_cast<float>(scale), out.data_ptr<scalar_t>(),
+                              partial_out.data_ptr<float>(), partial_lse.data_ptr<float>(),
+                              max_splits);
+      }
+    });
+    at::parallel_for(0, merges.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int32_t* m = merges.data_ptr<int32_t>() + 2 * i;
+        merge_row<scalar_t>(m[0], m[1], num_heads, dim, max_splits, partial_out.data_ptr<float>(),
+                            partial_lse.data_ptr<float>(), out.data_ptr<scalar_t>());
+      }
+    });
+  });
+}
+
+// K and V of the new tokens into their slots, one memcpy per token and half, tokens in parallel.
+void store_kv(at::Tensor kv, const at::Tensor& k, const at::Tensor& v,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(kv.dim() == 5 && kv.size(0) == 2 && kv.is_contiguous(),
+              "kv must be a contiguous pool [2, blocks, block_size, kv_heads, dim]");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == kv.size(3) &&
+                  k.size(2) == kv.size(4) && rows_are_dense(k) && rows_are_dense(v),
+              "k and v must be [tokens, kv_heads, dim] matching the pool, each token's heads dense");
+  TORCH_CHECK(k.scalar_type() == kv.scalar_type() && v.scalar_type() == kv.scalar_type(),
+              "k, v and the pool must share one dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kInt && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == k.size(0) && slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int32, one slot per new token");
+  const int64_t num_slots = kv.size(1) * kv.size(2);
+  const int32_t* slots = slot_mapping.data_ptr<int32_t>();
+  for (int64_t t = 0; t < k.size(0); ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "token ", t, " has slot ", slots[t],
+                ", the pool has ", num_slots);
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  char* keys = static_cast<char*>(kv.data_ptr());
+  char* values = keys + num_slots * row_bytes;
+  const char* k_src = static_cast<const char*>(k.data_ptr());
+  const char* v_src = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * k.element_size(), v_stride = v.stride(0) * v.element_size();
+  at::parallel_for(0, k.size(0), 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      std::memcpy(keys + slots[t] * row_bytes, k_src + t * k_stride, row_bytes);
+      std::memcpy(values + slots[t] * row_bytes, v_src + t * v_stride, row_bytes);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(minivllm_cpu, m) {
+  m.def("store_kv(Tensor(a!) kv, Tensor k, Tensor v, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor(a!) out, Tensor q, Tensor kv, Tensor block_tables, Tensor work, "
+      "Tensor merges, float scale, int max_splits) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(minivllm_cpu, CPU, m) {
+  m.impl("store_kv", &store_kv);
+  m.impl("paged_attention", &paged_attention);
+}
