@@ -27,7 +27,12 @@ from pathlib import Path
 
 import torch
 
-from minivllm.attention.backend import AttentionMetadata, PagedAttentionBackend, PagedKVCache
+from minivllm.attention.backend import (
+    AttentionMetadata,
+    PagedAttentionBackend,
+    PagedKVCache,
+    query_starts,
+)
 from minivllm.utils import cdiv
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
@@ -69,9 +74,7 @@ def plan_work(
     take the next untaken item, so a long prefill started last cannot keep one core busy while
     the other waits."""
     query_lens, seq_lens = metadata.query_lens_list, metadata.seq_lens_list
-    row_starts = [0]
-    for n in query_lens:
-        row_starts.append(row_starts[-1] + n)
+    row_starts = query_starts(query_lens)
     unsplit_items = sum(cdiv(n, QUERY_TILE) for n in query_lens) * num_kv_heads
     wanted_splits = cdiv(ITEMS_PER_THREAD * num_threads, unsplit_items)
 
