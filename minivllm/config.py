@@ -24,7 +24,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # vLLM's logprobs_mode values: what reported logprobs are computed from (sample/sampler.py).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # "auto" and the names registered in attention/backend.py (a test keeps the two in step).
-ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton", "flex")
+ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton", "flex", "cpu")
 # `quantization=` values (vLLM's setting, chapter 12: models/quantization.py): int8 and int4
 # quantize the float checkpoint at load; gguf reads the model's 4-bit blocks from its GGUF file.
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")

@@ -174,7 +174,7 @@ def test_engines_with_different_attention_backends_run_side_by_side(tiny_model_d
     assert flex.same_tokens_as_first == 1.0 and flex.label == default.label + " [flex]"
     backends = {key: llm.llm_engine.executor.driver_worker.attention_backend.name
                 for key, llm in ctx.engines.items()}  # fmt: skip
-    assert backends == {"engine-no-prefix-cache": "torch", "engine-no-prefix-cache:flex": "flex"}
+    assert backends == {"engine-no-prefix-cache": "cpu", "engine-no-prefix-cache:flex": "flex"}
 
 
 def test_transformers_generate_batch_gives_the_tokens_of_generate(tiny_model_dirs):
@@ -282,3 +282,16 @@ def test_vllm_methods_without_vllm_say_how_to_install_it(tiny_model_dirs, tmp_pa
     workload = Workload("tiny", [[5, 6, 7]], [2], "one request")
     with pytest.raises(ValueError, match="make peers"):
         run_benchmark(ctx, workload, ["vllm-tuned"], measure_peak=False)
+
+
+def test_long_context_workload_fills_2k_to_8k_tokens_per_request(tokenizer):
+    """Prompt and answer together span the range from 2,048 to 8,192 tokens (the embedded
+    model's context), evenly, so that attention over long contexts is most of the work."""
+    from minivllm.bench.workloads import make_workload
+
+    workload = make_workload("long-context", tokenizer)
+    assert workload.num_requests == 8 and set(workload.output_lengths) == {64}
+    contexts = sorted(len(p) + n for p, n in zip(workload.prompts, workload.output_lengths))
+    assert contexts[0] == 2048 and contexts[-1] == 8192
+    gaps = [b - a for a, b in zip(contexts, contexts[1:])]
+    assert max(gaps) - min(gaps) <= 1

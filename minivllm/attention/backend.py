@@ -171,14 +171,18 @@ ATTENTION_BACKENDS = {
     "torch": "minivllm.attention.torch_paged:TorchPagedAttention",
     "triton": "minivllm.attention.triton_paged:TritonPagedAttention",  # chapter 06
     "flex": "minivllm.attention.flex_paged:FlexPagedAttention",  # chapter 06
+    "cpu": "minivllm.attention.cpu_paged:CpuPagedAttention",  # chapter 06, in C++
 }
 
 
 def resolve_attention_backend_name(name: str, device: torch.device) -> str:
     """ "auto" picks the best registered backend for the device: chapter 06's Triton kernels on
-    a CUDA GPU, the torch reference elsewhere. Any other name must be registered."""
+    a CUDA GPU, its C++ kernel on a CPU (which falls back to the torch reference where it
+    cannot be built), the torch reference elsewhere. Any other name must be registered."""
     if name == "auto":
-        return "triton" if device.type == "cuda" and triton_is_installed() else "torch"
+        if device.type == "cuda":
+            return "triton" if triton_is_installed() else "torch"
+        return "cpu" if device.type == "cpu" else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
             f"attention_backend must be 'auto' or one of {sorted(ATTENTION_BACKENDS)}, got {name!r}"

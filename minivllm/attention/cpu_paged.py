@@ -18,6 +18,7 @@ and cached on disk; without a compiler the engine says so once and runs the torc
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import shutil
 import sys
@@ -45,8 +46,14 @@ MAX_SPLITS = 16
 # The capability is part of the build's name, so a cached build never runs on a machine that
 # lacks its instructions.
 ISA_FLAGS = {
-    "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
-               "-mfma"],
+    "AVX512": [
+        "-DCPU_CAPABILITY_AVX512",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mfma",
+    ],
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
 
@@ -102,9 +109,7 @@ def plan_work(
             rows = (row_starts[seq] + tile_begin, row_starts[seq] + tile_end)
             first_position = cached + tile_begin
             key_end = cached + tile_end  # what the tile's last row sees
-            items += [
-                (seq, h, *rows, first_position, 0, key_end, -1) for h in range(num_kv_heads)
-            ]
+            items += [(seq, h, *rows, first_position, 0, key_end, -1) for h in range(num_kv_heads)]
     # Cost of an item: its query rows times its keys.
     items.sort(key=lambda item: (item[3] - item[2]) * (item[6] - item[5]), reverse=True)
     return WorkPlan(
@@ -140,14 +145,25 @@ class CpuPagedAttention(PagedAttentionBackend):
         return cls
 
     def __call__(self, layer_index: int, q, k, v) -> torch.Tensor:
-        kv, plan = self.kv_cache.layers[layer_index], self.plan
-        kernels = torch.ops.minivllm_cpu
-        kernels.store_kv(kv, k, v, plan.slot_mapping)
-        out = q.new_empty(q.shape)
-        kernels.paged_attention(
-            out, q, kv, plan.block_tables, plan.work, plan.merges, self.scale, plan.max_splits
-        )
-        return out
+        return store_and_attend(self.kv_cache.layers[layer_index], q, k, v, self.plan, self.scale)
+
+
+def store_and_attend(
+    kv: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: WorkPlan,
+    scale: float,
+) -> torch.Tensor:
+    """One layer's attention: the new tokens' K/V into the pool, then one kernel call."""
+    kernels = torch.ops.minivllm_cpu
+    kernels.store_kv(kv, k, v, plan.slot_mapping)
+    out = q.new_empty(q.shape)
+    kernels.paged_attention(
+        out, q, kv, plan.block_tables, plan.work, plan.merges, scale, plan.max_splits
+    )
+    return out
 
 
 @functools.cache
@@ -162,7 +178,10 @@ def load_kernels() -> str | None:
     if not cpp_extension.is_ninja_available():
         return _cannot_build("ninja is not installed")
     capability = torch.backends.cpu.get_cpu_capability()
-    name = f"minivllm_cpu_attention_{capability.lower()}"
+    flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
+    # The name says what was built: a changed source or flags build anew, next to the old one.
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"minivllm_cpu_attention_{capability.lower()}_{digest}"
     build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
     library = build_directory / f"{name}.so"
     if not library.exists():
@@ -171,7 +190,7 @@ def load_kernels() -> str | None:
         cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])],
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=False,

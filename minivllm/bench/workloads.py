@@ -191,8 +191,40 @@ def multi_turn_workload(
     )
 
 
-def make_workload(name: str, tokenizer, num_requests: int, output_length: int | None = None):
+def long_context_workload(
+    tokenizer,
+    num_requests: int = 8,
+    context_lengths: tuple[int, int] = (2048, 8192),
+    output_length: int = 64,
+    seed: int = 0,
+) -> Workload:
+    """A few requests whose prompt and answer together fill 2k-8k tokens (SmolLM2 allows
+    8,192): every step's attention reads thousands of cached keys per sequence, so attention,
+    not the linear layers, is most of the work."""
+    rng = random.Random(seed)
+    low, high = context_lengths
+    lengths = shuffled_spread(low - output_length, high - output_length, num_requests, rng)
+    return Workload(
+        name="long-context",
+        prompts=[chat_prompt_of_length(tokenizer, n, rng) for n in lengths],
+        output_lengths=[output_length] * num_requests,
+        description=(
+            f"{num_requests} chat requests, contexts of {low}-{high} tokens "
+            f"(prompt + {output_length} new tokens)"
+        ),
+    )
+
+
+# Requests per workload when none is asked for: a long context is 30-100 short prompts of work.
+DEFAULT_NUM_REQUESTS = {"long-context": 8}
+WORKLOAD_NAMES = ("throughput", "varied-output", "shared-prefix", "multi-turn", "long-context")
+
+
+def make_workload(
+    name: str, tokenizer, num_requests: int | None = None, output_length: int | None = None
+):
     """A shared workload by name, as `minivllm bench --workload` names them."""
+    num_requests = num_requests or DEFAULT_NUM_REQUESTS.get(name, 64)
     if name == "throughput":
         return throughput_workload(tokenizer, num_requests, output_length=output_length or 64)
     if name == "varied-output":
@@ -204,6 +236,6 @@ def make_workload(name: str, tokenizer, num_requests: int, output_length: int | 
         return multi_turn_workload(
             tokenizer, max(num_requests // turns, 1), turns, output_length=output_length or 16
         )
-    raise ValueError(
-        f"unknown workload {name!r}; choose throughput, varied-output, shared-prefix, multi-turn"
-    )
+    if name == "long-context":
+        return long_context_workload(tokenizer, num_requests, output_length=output_length or 64)
+    raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOAD_NAMES)}")

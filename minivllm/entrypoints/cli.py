@@ -13,6 +13,7 @@ import os
 import sys
 import typing
 
+from minivllm.bench.workloads import WORKLOAD_NAMES
 from minivllm.config import EngineConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # minivllm never reads the network
@@ -216,14 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--workload",
         default="throughput",
-        choices=["throughput", "varied-output", "shared-prefix", "multi-turn"],
+        choices=WORKLOAD_NAMES,
     )
-    bench.add_argument("--num-requests", type=int, default=64)
+    bench.add_argument(
+        "--num-requests", type=int, default=None, help="requests (default 64, long-context 8)"
+    )
     bench.add_argument(
         "--output-len",
         type=int,
         default=None,
-        help="new tokens per request (throughput: 64, shared-prefix/multi-turn: 16)",
+        help="new tokens per request (throughput, long-context: 64; shared-prefix, multi-turn: 16)",
     )
     bench.add_argument(
         "--methods",

@@ -32,24 +32,84 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int kWorkFields = 8;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// q . k over `dim` floats: whole vectors, then the tail one element at a time.
-inline float dot(const float* q, const float* k, int64_t dim) {
-  Vec sum(0.0f);
-  int64_t d = 0;
-  for (; d + Vec::size() <= dim; d += Vec::size())
-    sum = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), sum);
-  float total = at::vec::vec_reduce_all<float>(std::plus<Vec>(), sum);
-  for (; d < dim; ++d) total += q[d] * k[d];
-  return total;
+// Scores of one query against `count` keys, `stride` floats apart. Four keys at a time: four
+// independent chains of multiply-adds keep the vector units busy, where one dot product after
+// another would wait on each add. The last dimensions (dim not a multiple of the vector width)
+// and the last keys go one at a time.
+inline void dot_keys(const float* q, const float* keys, int64_t stride, int64_t count,
+                     int64_t dim, float* scores) {
+  const int64_t vector_dims = dim - dim % Vec::size();
+  auto tail = [&](const float* k, float total) {
+    for (int64_t d = vector_dims; d < dim; ++d) total += q[d] * k[d];
+    return total;
+  };
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const float *k0 = keys + j * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+    Vec s0(0.0f), s1(0.0f), s2(0.0f), s3(0.0f);
+    for (int64_t d = 0; d < vector_dims; d += Vec::size()) {
+      const Vec query = Vec::loadu(q + d);
+      s0 = at::vec::fmadd(query, Vec::loadu(k0 + d), s0);
+      s1 = at::vec::fmadd(query, Vec::loadu(k1 + d), s1);
+      s2 = at::vec::fmadd(query, Vec::loadu(k2 + d), s2);
+      s3 = at::vec::fmadd(query, Vec::loadu(k3 + d), s3);
+    }
+    scores[j] = tail(k0, at::vec::vec_reduce_all<float>(std::plus<Vec>(), s0));
+    scores[j + 1] = tail(k1, at::vec::vec_reduce_all<float>(std::plus<Vec>(), s1));
+    scores[j + 2] = tail(k2, at::vec::vec_reduce_all<float>(std::plus<Vec>(), s2));
+    scores[j + 3] = tail(k3, at::vec::vec_reduce_all<float>(std::plus<Vec>(), s3));
+  }
+  for (; j < count; ++j) {
+    const float* k = keys + j * stride;
+    Vec sum(0.0f);
+    for (int64_t d = 0; d < vector_dims; d += Vec::size())
+      sum = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), sum);
+    scores[j] = tail(k, at::vec::vec_reduce_all<float>(std::plus<Vec>(), sum));
+  }
 }
 
-// acc = acc * rescale + p * v over `dim` floats.
-inline void scale_add(float* acc, float rescale, float p, const float* v, int64_t dim) {
+// acc = acc * rescale + sum_j p[j] * v_j over `count` value rows. Four vectors of acc are held in
+// registers across all the rows, again four independent chains; the rest one at a time.
+inline void add_weighted_values(float* acc, float rescale, const float* p, const float* values,
+                                int64_t stride, int64_t count, int64_t dim) {
+  const int64_t vector_dims = dim - dim % Vec::size(), step = 4 * Vec::size();
   int64_t d = 0;
-  for (; d + Vec::size() <= dim; d += Vec::size())
-    at::vec::fmadd(Vec::loadu(acc + d), Vec(rescale), Vec(p) * Vec::loadu(v + d)).store(acc + d);
-  for (; d < dim; ++d) acc[d] = acc[d] * rescale + p * v[d];
+  for (; d + step <= vector_dims; d += step) {
+    Vec a0 = Vec::loadu(acc + d) * Vec(rescale);
+    Vec a1 = Vec::loadu(acc + d + Vec::size()) * Vec(rescale);
+    Vec a2 = Vec::loadu(acc + d + 2 * Vec::size()) * Vec(rescale);
+    Vec a3 = Vec::loadu(acc + d + 3 * Vec::size()) * Vec(rescale);
+    for (int64_t j = 0; j < count; ++j) {
+      const Vec weight(p[j]);
+      const float* v = values + j * stride + d;
+      a0 = at::vec::fmadd(weight, Vec::loadu(v), a0);
+      a1 = at::vec::fmadd(weight, Vec::loadu(v + Vec::size()), a1);
+      a2 = at::vec::fmadd(weight, Vec::loadu(v + 2 * Vec::size()), a2);
+      a3 = at::vec::fmadd(weight, Vec::loadu(v + 3 * Vec::size()), a3);
+    }
+    a0.store(acc + d);
+    a1.store(acc + d + Vec::size());
+    a2.store(acc + d + 2 * Vec::size());
+    a3.store(acc + d + 3 * Vec::size());
+  }
+  for (; d < vector_dims; d += Vec::size()) {
+    Vec a = Vec::loadu(acc + d) * Vec(rescale);
+    for (int64_t j = 0; j < count; ++j)
+      a = at::vec::fmadd(Vec(p[j]), Vec::loadu(values + j * stride + d), a);
+    a.store(acc + d);
+  }
+  for (; d < dim; ++d) {
+    float a = acc[d] * rescale;
+    for (int64_t j = 0; j < count; ++j) a += p[j] * values[j * stride + d];
+    acc[d] = a;
+  }
 }
+
+// The pool's dtypes: float32, and the 16-bit ones, which are widened to float32 to compute.
+#define AT_DISPATCH_CASE_FLOATING_AND_REDUCED(...)    \
+  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)           \
+  AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)        \
+  AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)
 
 // Rows of K or V as float32, `stride` floats apart: a float32 pool is read in place; bfloat16 rows
 // are widened once into `scratch`, then serve every query head of the group.
@@ -64,8 +124,17 @@ inline FloatRows as_float(const T* rows, int64_t count, int64_t stride, int64_t 
   if constexpr (std::is_same_v<T, float>) {
     return {rows, stride};
   } else {
-    for (int64_t j = 0; j < count; ++j)
-      for (int64_t d = 0; d < dim; ++d) scratch[j * dim + d] = static_cast<float>(rows[j * stride + d]);
+    for (int64_t j = 0; j < count; ++j) {
+      const T* src = rows + j * stride;
+      float* dst = scratch + j * dim;
+      int64_t d = 0;
+      for (; d + Vec::size() <= dim; d += Vec::size()) {
+        Vec widened;
+        at::vec::load_to_float(src + d, widened);
+        widened.store(dst + d);
+      }
+      for (; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
+    }
     return {scratch, dim};
   }
 }
@@ -76,6 +145,32 @@ struct RunningSoftmax {
   float max_score = kNegInf;
   float sum = 0.0f;
 };
+
+// One query row against `count` keys of a block chunk: the scores, their exponentials (in
+// `scores`, vectorized), the running sum rescaled once, then the weighted values added to acc.
+inline void attend_chunk(const float* query, const FloatRows& keys, const FloatRows& values,
+                         int64_t count, int64_t dim, float* scores, RunningSoftmax& state,
+                         float* acc) {
+  dot_keys(query, keys.data, keys.stride, count, dim, scores);
+  float chunk_max = kNegInf;
+  for (int64_t j = 0; j < count; ++j) chunk_max = std::max(chunk_max, scores[j]);
+  // A new maximum rescales what was summed so far; exp never sees a positive argument.
+  const float new_max = std::max(state.max_score, chunk_max);
+  const float rescale = std::exp(state.max_score - new_max);  // 0 for the row's first chunk
+  Vec sums(0.0f);
+  int64_t j = 0;
+  for (; j + Vec::size() <= count; j += Vec::size()) {
+    const Vec p = (Vec::loadu(scores + j) - Vec(new_max)).exp_u20();
+    p.store(scores + j);
+    sums = sums + p;
+  }
+  float chunk_sum = at::vec::vec_reduce_all<float>(std::plus<Vec>(), sums);
+  for (; j < count; ++j) chunk_sum += scores[j] = std::exp(scores[j] - new_max);
+  state.sum = state.sum * rescale + chunk_sum;
+  state.max_score = new_max;
+
+  add_weighted_values(acc, rescale, scores, values.data, values.stride, count, dim);
+}
 
 struct Pool {  // where K/V of (block, offset, head) lie: [2, blocks, block_size, kv_heads, dim]
   int64_t num_blocks, block_size, num_kv_heads, dim;
@@ -122,23 +217,9 @@ void attend_item(const int32_t* item, const T* q, int64_t q_token_stride, const 
     for (int64_t row = 0; row < num_rows; ++row) {
       // Row r sees keys up to position first_position + r / group: later ones are its future.
       const int64_t visible = std::min(count, first_position + row / group - chunk_begin + 1);
-      if (visible <= 0) continue;
-      float chunk_max = kNegInf;
-      for (int64_t j = 0; j < visible; ++j) {
-        scores[j] = dot(queries.data() + row * dim, keys.data + j * keys.stride, dim);
-        chunk_max = std::max(chunk_max, scores[j]);
-      }
-      // A new maximum rescales what was summed so far; exp never sees a positive argument.
-      RunningSoftmax& s = state[row];
-      const float new_max = std::max(s.max_score, chunk_max);
-      float rescale = std::exp(s.max_score - new_max);
-      for (int64_t j = 0; j < visible; ++j) {
-        const float p = std::exp(scores[j] - new_max);
-        s.sum = s.sum * rescale + p;
-        scale_add(acc.data() + row * dim, rescale, p, values.data + j * values.stride, dim);
-        rescale = 1.0f;  // the old sum is rescaled once, with the first key of the chunk
-      }
-      s.max_score = new_max;
+      if (visible > 0)
+        attend_chunk(queries.data() + row * dim, keys, values, visible, dim, scores.data(),
+                     state[row], acc.data() + row * dim);
     }
   }
 
@@ -246,7 +327,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv,
   at::Tensor partial_out = at::empty({partial_rows, num_heads, max_splits, dim}, q.options().dtype(at::kFloat));
   at::Tensor partial_lse = at::empty({partial_rows, num_heads, max_splits}, q.options().dtype(at::kFloat));
 
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention", AT_DISPATCH_CASE_FLOATING_AND_REDUCED([&] {
     const int32_t* items = work.data_ptr<int32_t>();
     const int64_t num_items = work.size(0), width = block_tables.size(1);
     // Items differ in cost (a prefill chunk against a decode), so threads do not get fixed
@@ -269,7 +350,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv,
                             partial_lse.data_ptr<float>(), out.data_ptr<scalar_t>());
       }
     });
-  });
+  }));
 }
 
 // K and V of the new tokens into their slots, one memcpy per token and half, tokens in parallel.
