@@ -68,29 +68,45 @@ inline void dot_keys(const float* q, const float* keys, int64_t stride, int64_t 
   }
 }
 
-// acc = acc * rescale + sum_j p[j] * v_j over `count` value rows. Four vectors of acc are held in
-// registers across all the rows, again four independent chains; the rest one at a time.
+// acc = acc * rescale + sum_j p[j] * v_j over `count` value rows. Four vectors of acc at a time
+// are held in registers across all the rows, twice over: even rows add into one set, odd rows
+// into the other, so eight independent chains of multiply-adds keep both vector units busy. The
+// last vectors and dimensions go one at a time. (Named variables, not an array: the compiler
+// keeps an array of vectors in memory, since any float pointer may alias it.)
 inline void add_weighted_values(float* acc, float rescale, const float* p, const float* values,
                                 int64_t stride, int64_t count, int64_t dim) {
-  const int64_t vector_dims = dim - dim % Vec::size(), step = 4 * Vec::size();
+  constexpr int64_t V = Vec::size();
+  const int64_t vector_dims = dim - dim % V;
   int64_t d = 0;
-  for (; d + step <= vector_dims; d += step) {
-    Vec a0 = Vec::loadu(acc + d) * Vec(rescale);
-    Vec a1 = Vec::loadu(acc + d + Vec::size()) * Vec(rescale);
-    Vec a2 = Vec::loadu(acc + d + 2 * Vec::size()) * Vec(rescale);
-    Vec a3 = Vec::loadu(acc + d + 3 * Vec::size()) * Vec(rescale);
-    for (int64_t j = 0; j < count; ++j) {
-      const Vec weight(p[j]);
-      const float* v = values + j * stride + d;
-      a0 = at::vec::fmadd(weight, Vec::loadu(v), a0);
-      a1 = at::vec::fmadd(weight, Vec::loadu(v + Vec::size()), a1);
-      a2 = at::vec::fmadd(weight, Vec::loadu(v + 2 * Vec::size()), a2);
-      a3 = at::vec::fmadd(weight, Vec::loadu(v + 3 * Vec::size()), a3);
+  for (; d + 4 * V <= vector_dims; d += 4 * V) {
+    Vec e0 = Vec::loadu(acc + d) * Vec(rescale), e1 = Vec::loadu(acc + d + V) * Vec(rescale);
+    Vec e2 = Vec::loadu(acc + d + 2 * V) * Vec(rescale), e3 = Vec::loadu(acc + d + 3 * V) * Vec(rescale);
+    Vec o0(0.0f), o1(0.0f), o2(0.0f), o3(0.0f);
+    int64_t j = 0;
+    for (; j + 2 <= count; j += 2) {
+      const float *v = values + j * stride + d, *w = v + stride;
+      const Vec pv(p[j]), pw(p[j + 1]);
+      e0 = at::vec::fmadd(pv, Vec::loadu(v), e0);
+      e1 = at::vec::fmadd(pv, Vec::loadu(v + V), e1);
+      e2 = at::vec::fmadd(pv, Vec::loadu(v + 2 * V), e2);
+      e3 = at::vec::fmadd(pv, Vec::loadu(v + 3 * V), e3);
+      o0 = at::vec::fmadd(pw, Vec::loadu(w), o0);
+      o1 = at::vec::fmadd(pw, Vec::loadu(w + V), o1);
+      o2 = at::vec::fmadd(pw, Vec::loadu(w + 2 * V), o2);
+      o3 = at::vec::fmadd(pw, Vec::loadu(w + 3 * V), o3);
     }
-    a0.store(acc + d);
-    a1.store(acc + d + Vec::size());
-    a2.store(acc + d + 2 * Vec::size());
-    a3.store(acc + d + 3 * Vec::size());
+    if (j < count) {
+      const float* v = values + j * stride + d;
+      const Vec pv(p[j]);
+      e0 = at::vec::fmadd(pv, Vec::loadu(v), e0);
+      e1 = at::vec::fmadd(pv, Vec::loadu(v + V), e1);
+      e2 = at::vec::fmadd(pv, Vec::loadu(v + 2 * V), e2);
+      e3 = at::vec::fmadd(pv, Vec::loadu(v + 3 * V), e3);
+    }
+    (e0 + o0).store(acc + d);
+    (e1 + o1).store(acc + d + V);
+    (e2 + o2).store(acc + d + 2 * V);
+    (e3 + o3).store(acc + d + 3 * V);
   }
   for (; d < vector_dims; d += Vec::size()) {
     Vec a = Vec::loadu(acc + d) * Vec(rescale);
@@ -139,37 +155,86 @@ inline FloatRows as_float(const T* rows, int64_t count, int64_t stride, int64_t 
   }
 }
 
-// The running softmax of one query row: its largest score so far, the sum of exp(score - max),
-// and the weighted sum of values (`acc`, head_dim floats), kept unnormalized until the end.
+// The running softmax of one query row: its largest score so far and the sum of exp(score - max)
+// (kept lane by lane in a vector, plus a scalar for the keys past the last whole vector, and added
+// up once at the end); the weighted sum of values (`acc`, head_dim floats) is kept apart.
 struct RunningSoftmax {
   float max_score = kNegInf;
-  float sum = 0.0f;
+  Vec lanes = Vec(0.0f);
+  float rest = 0.0f;
+  float sum() const { return at::vec::vec_reduce_all<float>(std::plus<Vec>(), lanes) + rest; }
 };
 
-// One query row against `count` keys of a block chunk: the scores, their exponentials (in
-// `scores`, vectorized), the running sum rescaled once, then the weighted values added to acc.
-inline void attend_chunk(const float* query, const FloatRows& keys, const FloatRows& values,
-                         int64_t count, int64_t dim, float* scores, RunningSoftmax& state,
-                         float* acc) {
-  dot_keys(query, keys.data, keys.stride, count, dim, scores);
-  float chunk_max = kNegInf;
-  for (int64_t j = 0; j < count; ++j) chunk_max = std::max(chunk_max, scores[j]);
+// Fold one row's scores over a chunk of `count` keys into its running softmax: exponentials in
+// place of the scores (vectorized), the old sum rescaled once, then the weighted values into acc.
+inline void update_row(float* scores, int64_t count, const FloatRows& values, int64_t dim,
+                       RunningSoftmax& state, float* acc) {
+  Vec maxima(kNegInf);
+  int64_t j = 0;
+  for (; j + Vec::size() <= count; j += Vec::size()) maxima = at::vec::maximum(maxima, Vec::loadu(scores + j));
+  float chunk_max = at::vec::vec_reduce_all<float>(
+      [](const Vec& x, const Vec& y) { return at::vec::maximum(x, y); }, maxima);
+  for (; j < count; ++j) chunk_max = std::max(chunk_max, scores[j]);
   // A new maximum rescales what was summed so far; exp never sees a positive argument.
   const float new_max = std::max(state.max_score, chunk_max);
-  const float rescale = std::exp(state.max_score - new_max);  // 0 for the row's first chunk
+  // (0 for the row's first chunk; 1, without calling exp, when the maximum did not move.)
+  const float rescale = new_max == state.max_score ? 1.0f : std::exp(state.max_score - new_max);
   Vec sums(0.0f);
-  int64_t j = 0;
-  for (; j + Vec::size() <= count; j += Vec::size()) {
+  for (j = 0; j + Vec::size() <= count; j += Vec::size()) {
     const Vec p = (Vec::loadu(scores + j) - Vec(new_max)).exp_u20();
     p.store(scores + j);
     sums = sums + p;
   }
-  float chunk_sum = at::vec::vec_reduce_all<float>(std::plus<Vec>(), sums);
-  for (; j < count; ++j) chunk_sum += scores[j] = std::exp(scores[j] - new_max);
-  state.sum = state.sum * rescale + chunk_sum;
+  float rest = 0.0f;
+  for (; j < count; ++j) rest += scores[j] = std::exp(scores[j] - new_max);
+  state.lanes = at::vec::fmadd(state.lanes, Vec(rescale), sums);
+  state.rest = state.rest * rescale + rest;
   state.max_score = new_max;
-
   add_weighted_values(acc, rescale, scores, values.data, values.stride, count, dim);
+}
+
+// Many rows against one chunk (a prefill tile): a matrix product. The chunk's keys are transposed
+// once into `kt` ([dim][kChunkKeys], zero-padded), so that a row's scores over the whole chunk are
+// one or two vectors: sum over d of q[d] * kt[d]. Rows go kRowBlock at a time, each row's
+// vectors an independent chain of multiply-adds, and no sum across a vector's lanes is needed.
+constexpr int64_t kChunkKeys = 16;
+constexpr int64_t kScoreVecs = kChunkKeys / Vec::size();  // 1 with AVX512, 2 with AVX2
+constexpr int64_t kRowBlock = 8 / kScoreVecs;
+
+inline void transpose_keys(const FloatRows& keys, int64_t count, int64_t dim, float* kt) {
+  for (int64_t j = 0; j < kChunkKeys; ++j)
+    for (int64_t d = 0; d < dim; ++d)
+      kt[d * kChunkKeys + j] = j < count ? keys.data[j * keys.stride + d] : 0.0f;
+}
+
+// Eight accumulators, named (see add_weighted_values): accumulator i holds row i / kScoreVecs's
+// scores for keys (i % kScoreVecs) * Vec::size() onwards.
+inline void scores_of_row_block(const float* queries, int64_t dim, const float* kt, float* scores) {
+  static_assert(kRowBlock * kScoreVecs == 8, "eight accumulators");
+  Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f), a4(0.0f), a5(0.0f), a6(0.0f), a7(0.0f);
+  for (int64_t d = 0; d < dim; ++d) {
+    const Vec k0 = Vec::loadu(kt + d * kChunkKeys);
+    const Vec k1 = kScoreVecs > 1 ? Vec::loadu(kt + d * kChunkKeys + Vec::size()) : k0;
+    auto add = [&](Vec& acc, int64_t i) {
+      acc = at::vec::fmadd(Vec(queries[(i / kScoreVecs) * dim + d]), i % kScoreVecs ? k1 : k0, acc);
+    };
+    add(a0, 0), add(a1, 1), add(a2, 2), add(a3, 3), add(a4, 4), add(a5, 5), add(a6, 6), add(a7, 7);
+  }
+  auto store = [&](const Vec& acc, int64_t i) {
+    acc.store(scores + (i / kScoreVecs) * kChunkKeys + (i % kScoreVecs) * Vec::size());
+  };
+  store(a0, 0), store(a1, 1), store(a2, 2), store(a3, 3), store(a4, 4), store(a5, 5), store(a6, 6),
+      store(a7, 7);
+}
+
+// One row's scores against the transposed chunk, for the rows left over after the blocks.
+inline void scores_of_row(const float* query, int64_t dim, const float* kt, float* scores) {
+  for (int64_t v = 0; v < kScoreVecs; ++v) {
+    Vec acc(0.0f);
+    for (int64_t d = 0; d < dim; ++d)
+      acc = at::vec::fmadd(Vec(query[d]), Vec::loadu(kt + d * kChunkKeys + v * Vec::size()), acc);
+    acc.store(scores + v * Vec::size());
+  }
 }
 
 struct Pool {  // where K/V of (block, offset, head) lie: [2, blocks, block_size, kv_heads, dim]
@@ -201,40 +266,59 @@ void attend_item(const int32_t* item, const T* q, int64_t q_token_stride, const 
         queries[(t * group + g) * dim + d] = static_cast<float>(src[d]) * scale;
     }
 
-  // Keys are taken a block at a time (the part of it in range): one lookup in the block table,
-  // one rescale of each row's sum per block. The last row sees the most keys; none past it is read.
-  std::vector<float> k_scratch(pool.block_size * dim), v_scratch(pool.block_size * dim);
-  std::vector<float> scores(pool.block_size);
+  // Keys are taken kChunkKeys at a time within a block: one lookup in the block table, one
+  // rescale of each row's sum per chunk. The last row sees the most keys; none past it is read.
+  // With few rows (a decode's group of query heads), each row's scores are dot products; with
+  // many (a prefill tile), the matrix product of `scores_of_row_block`.
+  const bool many_rows = num_rows >= kRowBlock;
+  std::vector<float> k_scratch(kChunkKeys * dim), v_scratch(kChunkKeys * dim), kt(kChunkKeys * dim);
+  std::vector<float> scores(num_rows * kChunkKeys);
   const int64_t last_key = std::min(key_end, first_position + (row_end - row_begin));
   for (int64_t chunk_begin = key_begin, chunk_end; chunk_begin < last_key; chunk_begin = chunk_end) {
-    chunk_end = std::min(last_key, (chunk_begin / pool.block_size + 1) * pool.block_size);
+    chunk_end = std::min({last_key, chunk_begin + kChunkKeys,
+                          (chunk_begin / pool.block_size + 1) * pool.block_size});
     const int64_t block = block_table[chunk_begin / pool.block_size];
     const int64_t first_slot = block * pool.block_size + chunk_begin % pool.block_size;
     const T* k_rows = kv + first_slot * pool.token_stride() + kv_head * dim;
     const int64_t count = chunk_end - chunk_begin, stride = pool.token_stride();
     const FloatRows keys = as_float(k_rows, count, stride, dim, k_scratch.data());
     const FloatRows values = as_float(k_rows + pool.half_stride(), count, stride, dim, v_scratch.data());
-    for (int64_t row = 0; row < num_rows; ++row) {
-      // Row r sees keys up to position first_position + r / group: later ones are its future.
-      const int64_t visible = std::min(count, first_position + row / group - chunk_begin + 1);
-      if (visible > 0)
-        attend_chunk(queries.data() + row * dim, keys, values, visible, dim, scores.data(),
-                     state[row], acc.data() + row * dim);
+    // Row r sees keys up to position first_position + r / group: later ones are its future.
+    auto visible = [&](int64_t row) {
+      return std::min(count, first_position + row / group - chunk_begin + 1);
+    };
+    int64_t row = 0;
+    if (many_rows) {
+      transpose_keys(keys, count, dim, kt.data());
+      for (; row + kRowBlock <= num_rows; row += kRowBlock)
+        scores_of_row_block(queries.data() + row * dim, dim, kt.data(),
+                            scores.data() + row * kChunkKeys);
+      for (; row < num_rows; ++row)
+        scores_of_row(queries.data() + row * dim, dim, kt.data(), scores.data() + row * kChunkKeys);
+    } else {
+      for (; row < num_rows; ++row)
+        if (visible(row) > 0)
+          dot_keys(queries.data() + row * dim, keys.data, keys.stride, visible(row), dim,
+                   scores.data() + row * kChunkKeys);
     }
+    for (row = 0; row < num_rows; ++row)
+      if (visible(row) > 0)
+        update_row(scores.data() + row * kChunkKeys, visible(row), values, dim, state[row],
+                   acc.data() + row * dim);
   }
 
   for (int64_t t = 0; t < row_end - row_begin; ++t)
     for (int64_t g = 0; g < group; ++g) {
       const int64_t row = t * group + g, head = kv_head * group + g, token = row_begin + t;
-      const RunningSoftmax& s = state[row];
-      const float inv_sum = s.sum > 0.0f ? 1.0f / s.sum : 0.0f;  // an empty split has sum 0
+      const float max_score = state[row].max_score, sum = state[row].sum();
+      const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;  // an empty split has sum 0
       if (split < 0) {
         T* dst = out + (token * num_heads + head) * dim;
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[row * dim + d] * inv_sum);
       } else {
         const int64_t at = (token * num_heads + head) * max_splits + split;
         for (int64_t d = 0; d < dim; ++d) partial_out[at * dim + d] = acc[row * dim + d] * inv_sum;
-        partial_lse[at] = s.sum > 0.0f ? s.max_score + std::log(s.sum) : kNegInf;
+        partial_lse[at] = sum > 0.0f ? max_score + std::log(sum) : kNegInf;
       }
     }
 }
