@@ -309,9 +309,10 @@ class Sampler:
         penalised = any(_has_penalties(row.params) for row in rows)
         banned_token_ids = [_stop_ids_still_banned(row) for row in rows]
         # The common step (no bias, penalty or ban, every logit finite: no grammar masked
-        # any) has nothing to adjust: one pass over the logits checks it, instead of the
-        # five that sanitizing takes.
-        if not (biased or penalised or any(banned_token_ids)) and logits.isfinite().all():
+        # any) has nothing to adjust. One pass over the logits checks it: their sum is finite
+        # only if every logit is (an inf or a NaN makes it inf or NaN). Finite logits whose sum
+        # overflows take the sanitizing path below, which leaves them as they are.
+        if not (biased or penalised or any(banned_token_ids)) and logits.sum().isfinite():
             return logits, True
         forbidden = logits.isneginf()  # the grammar's mask (chapter 10): nothing may lift it
         if biased:
