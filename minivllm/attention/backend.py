@@ -26,11 +26,11 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import math
+import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
 from minivllm.config import ModelConfig
@@ -66,13 +66,19 @@ class PagedKVCache:
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A tensor of zeros whose CPU memory is paid for as it is used (chapter 12). `torch.zeros`
     writes every byte at once, so a 2 GiB pool is 2 GiB resident before the first request.
-    C's `calloc` (which NumPy's zeros calls) maps a large block from the operating system,
-    whose pages read as zeros and become resident only when first written: an engine holds
-    the blocks its requests have filled. On a GPU every byte is allocated up front anyway."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
+    An anonymous memory map (what C's `calloc` does for a large block) has pages that read as
+    zeros and become resident only when first written: an engine holds the blocks its requests
+    have filled. The map asks for ordinary 4 KiB pages: where the kernel may back a region with
+    2 MiB pages, the first write into each 2 MiB may first wait for it to compact memory, which
+    made storing a fresh block's K/V several times slower. On a GPU every byte is allocated up
+    front anyway."""
     num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+    if torch.device(device).type != "cpu" or num_bytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, num_bytes)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):  # Linux
+        pages.madvise(mmap.MADV_NOHUGEPAGE)
+    return torch.frombuffer(pages, dtype=torch.uint8, count=num_bytes).view(dtype).view(shape)
 
 
 def slot_mapping(block_table: list[int], block_size: int, start: int, end: int) -> list[int]:
