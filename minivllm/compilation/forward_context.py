@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 
 from minivllm.attention.backend import PagedAttentionBackend
+from minivllm.utils import define_operator
 
 _current_backend: PagedAttentionBackend | None = None
 
@@ -39,7 +40,6 @@ def forward_context(backend: PagedAttentionBackend) -> Iterator[None]:
         _current_backend = previous
 
 
-@torch.library.custom_op("minivllm::attention", mutates_args=())
 def attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int
 ) -> torch.Tensor:
@@ -50,10 +50,17 @@ def attention_op(
     return _current_backend(layer_index, q, k, v)
 
 
-@attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int) -> torch.Tensor:
+def _attention_result(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_index: int):
     """All the compiler needs: the result has q's shape and dtype."""
     return torch.empty_like(q)
+
+
+define_operator(
+    "minivllm::attention",
+    "(Tensor q, Tensor k, Tensor v, int layer_index) -> Tensor",
+    attention_op,
+    _attention_result,
+)
 
 
 class OpaqueAttention:

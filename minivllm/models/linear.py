@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minivllm.models.quantization import Int4Weight, Int8Weight
+from minivllm.utils import define_operator
 
 
 @functools.cache
@@ -101,16 +102,22 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@torch.library.custom_op("minivllm::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias, read from the packed copy `pack_weight` made of `weight`."""
     return _onednn_linear(x, _PACKED_WEIGHTS[weight.data_ptr()], bias)
 
 
-@packed_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear_result(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
     """What the compiler needs to know of the result: its shape and dtype."""
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+define_operator(
+    "minivllm::packed_linear",
+    "(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    packed_linear,
+    _packed_linear_result,
+)
 
 
 def linear(
