@@ -19,7 +19,7 @@ import weakref
 import pytest
 import torch
 from conftest import ENGINE_TEST_FAMILY, EOS_TOKEN_ID, hf_generate
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minivllm import LLM, SamplingParams
@@ -29,10 +29,16 @@ from minivllm.models.loader import embedded_gguf_path, load_model
 DTYPES = (torch.float32, torch.bfloat16)
 
 
+# Constants far outside trained weights' ranges: subnormal, below the smallest normal scale,
+# and near float32's largest value.
+EXTREME_CONSTANTS = (1e-45, -3e-40, 1e-37, 3e38, -3e38)
+
+
 @st.composite
-def weights(draw, group_sizes=(32, 64)):
+def weights(draw, group_sizes=(32, 64), extremes: bool = False):
     """A weight [N, K] whose rows hold whole groups, with rows of very different ranges (and
-    sometimes a constant group), and its group size."""
+    sometimes a constant group, with `extremes` sometimes of a subnormal or huge value), and
+    its group size."""
     group_size = draw(st.sampled_from(group_sizes))
     rows = draw(st.sampled_from([1, 5, 16, 32, 48]))
     columns = group_size * draw(st.integers(1, 4))
@@ -41,25 +47,36 @@ def weights(draw, group_sizes=(32, 64)):
     weight = torch.randn(rows, columns, generator=generator)
     weight *= torch.logspace(-3, 1, rows)[torch.randperm(rows, generator=generator)][:, None]
     if draw(st.booleans()):
-        weight[0, :group_size] = draw(st.floats(-2, 2))  # a constant group
+        constant = st.floats(-2, 2, width=32)
+        if extremes:
+            constant = constant | st.sampled_from(EXTREME_CONSTANTS)
+        weight[0, :group_size] = draw(constant)  # a constant group
     return weight, group_size
 
 
+TINY_AND_HUGE_ROWS = torch.tensor([[1e-37] * 32, [-3e-40] * 32, [3e38] + [1.0] * 31])
+
+
 @settings(max_examples=40, deadline=None)
-@given(case=weights())
+@given(case=weights(extremes=True))
+@example(case=(TINY_AND_HUGE_ROWS, 32))
 def test_int8_levels_are_the_rows_range_in_127_steps(case):
     weight, _ = case
     values, scale = q.quantize_int8(weight)
     assert values.dtype == torch.int8 and values.abs().max() <= 127
-    # Each row's largest magnitude maps to +-127: the scale is per row, not per tensor.
-    largest = weight.abs().amax(dim=1)
-    torch.testing.assert_close(scale[largest > 0], largest[largest > 0] / 127)
+    # Each row's largest magnitude maps to +-127: the scale is per row, not per tensor. A row
+    # too small for a normal float32 scale is stored as zeros (scale 1).
+    by_definition = weight.abs().amax(dim=1) / 127
+    normal = by_definition >= torch.finfo(torch.float32).tiny
+    torch.testing.assert_close(scale[normal], by_definition[normal])
+    assert (scale[~normal] == 1).all() and (values[~normal] == 0).all()
     error = (q.dequantize_int8(values, scale) - weight).abs()
     assert (error <= scale[:, None] / 2 * (1 + 1e-5)).all()
 
 
 @settings(max_examples=40, deadline=None)
-@given(case=weights())
+@given(case=weights(extremes=True))
+@example(case=(TINY_AND_HUGE_ROWS, 32))
 def test_int4_levels_span_each_groups_range_in_15_steps(case):
     weight, group_size = case
     values, scale, minimum = q.quantize_int4(weight, group_size)
@@ -67,8 +84,12 @@ def test_int4_levels_span_each_groups_range_in_15_steps(case):
     groups = weight.reshape(rows, columns // group_size, group_size)
     assert values.dtype == torch.uint8 and values.max() <= 15
     torch.testing.assert_close(minimum, groups.amin(dim=-1))
-    spread = groups.amax(dim=-1) - groups.amin(dim=-1)
-    torch.testing.assert_close(scale[spread > 0], spread[spread > 0] / 15)
+    by_definition = (groups.amax(dim=-1) - groups.amin(dim=-1)) / 15
+    normal = by_definition >= torch.finfo(torch.float32).tiny
+    torch.testing.assert_close(scale[normal], by_definition[normal])
+    # A group too narrow for a normal scale (a constant one) keeps its minimum, q = 0.
+    assert (scale[~normal] == 1).all()
+    assert (values.reshape(groups.shape)[~normal] == 0).all()
     back = q.dequantize_int4(values, scale, minimum, group_size)
     error = (back - weight).reshape(groups.shape).abs()
     assert (error <= scale[..., None] / 2 * (1 + 1e-5) + 1e-6).all()

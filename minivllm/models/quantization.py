@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP_SIZE = 32  # weights per scale and minimum: Q4_1's block
+SMALLEST_SCALE = torch.finfo(torch.float32).tiny  # the smallest normal float32, 1.2e-38
 INT8_LEVELS = 127  # symmetric: -127..127 (-128 left out, so that q and -q both exist)
 INT4_LEVELS = 15  # 0..15
 
@@ -42,10 +43,12 @@ INT4_LEVELS = 15  # 0..15
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per output channel (row): q = round(w / scale), scale = max |w| of the row / 127.
-    Returns q [N, K] int8 and scale [N] float32."""
+    Returns q [N, K] int8 and scale [N] float32. A row whose scale would not be a normal
+    float32 (every |w| below 127 x 1.2e-38, no trained weight's row) is stored as zeros with
+    scale 1, like an all-zero row: a subnormal scale keeps too few bits to hold 127 levels."""
     weight = weight.detach().float()  # no autograd graph: it would keep the float weight alive
     scale = weight.abs().amax(dim=1) / INT8_LEVELS
-    scale = torch.where(scale > 0, scale, 1.0)  # an all-zero row: any scale, q = 0
+    scale = torch.where(scale >= SMALLEST_SCALE, scale, 1.0)  # then every q is 0
     q = torch.round(weight / scale[:, None]).clamp(-INT8_LEVELS, INT8_LEVELS)
     return q.to(torch.int8), scale
 
@@ -60,14 +63,15 @@ def quantize_int4(
     """Group-wise, asymmetric: each run of `group_size` weights along a row is mapped onto
     0..15 between its own minimum and maximum, q = round((w - minimum) / scale) with
     scale = (maximum - minimum) / 15. Returns q [N, K] uint8, scale and minimum [N, K / group]
-    float32."""
+    float32. A group whose scale would not be a normal float32 (a constant group, or one whose
+    range is below 15 x 1.2e-38) keeps only its minimum, with scale 1 and q = 0."""
     rows, columns = weight.shape
     if columns % group_size:
         raise ValueError(f"int4 groups of {group_size} do not divide a row of {columns} weights")
     groups = weight.detach().float().reshape(rows, columns // group_size, group_size)
     minimum, maximum = groups.amin(dim=-1), groups.amax(dim=-1)
     scale = (maximum - minimum) / INT4_LEVELS
-    scale = torch.where(scale > 0, scale, 1.0)  # a constant group: q = 0, w = minimum
+    scale = torch.where(scale >= SMALLEST_SCALE, scale, 1.0)  # then q = 0, w = minimum
     q = torch.round((groups - minimum[..., None]) / scale[..., None]).clamp(0, INT4_LEVELS)
     return q.reshape(rows, columns).to(torch.uint8), scale, minimum
 
