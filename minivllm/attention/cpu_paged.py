@@ -11,8 +11,9 @@ work items, each one sequence's query rows (up to `QUERY_TILE` of them) for one 
 a range of its keys. A long decode is split along its keys when there would otherwise be too
 few items to keep every core busy; its splits are merged with their log-sum-exps (the
 algorithm of the Triton decode kernel and of the `merge_splits` exercise). The C++ source,
-`csrc/paged_attention.cpp`, is built at first use with the compiler that inductor needs anyway
-and cached on disk; without a compiler the engine says so once and runs the torch backend.
+`csrc/paged_attention.cpp` (its inner loops in `csrc/attention_tiles.h`), is built at first
+use with the compiler that inductor needs anyway and cached on disk; without a compiler the
+engine says so once and runs the torch backend.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from minivllm.attention.backend import (
 )
 from minivllm.utils import cdiv
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"  # the operators
+HEADER = SOURCE.with_name("attention_tiles.h")  # the vector arithmetic of a chunk of keys
 QUERY_TILE = 16  # query rows of a prefill chunk per work item: their K/V reads are shared
 MIN_SPLIT_KEYS = 256  # a split of a decode's keys is never shorter (merging costs a pass)
 ITEMS_PER_THREAD = 4  # split decodes until there are this many items per thread
@@ -180,7 +182,8 @@ def load_kernels() -> str | None:
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
     # The name says what was built: a changed source or flags build anew, next to the old one.
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    code = SOURCE.read_bytes() + HEADER.read_bytes() + " ".join(flags).encode()
+    digest = hashlib.sha256(code).hexdigest()[:12]
     name = f"minivllm_cpu_attention_{capability.lower()}_{digest}"
     build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
     library = build_directory / f"{name}.so"
