@@ -9,7 +9,7 @@ each; `ignore_eos` makes every request produce exactly that many, so methods do 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from minivllm.tokenizer import apply_chat_template
 
@@ -201,13 +201,11 @@ def long_context_workload(
     """A few requests whose prompt and answer together fill 2k-8k tokens (SmolLM2 allows
     8,192): every step's attention reads thousands of cached keys per sequence, so attention,
     not the linear layers, is most of the work."""
-    rng = random.Random(seed)
     low, high = context_lengths
-    lengths = shuffled_spread(low - output_length, high - output_length, num_requests, rng)
-    return Workload(
+    prompt_lengths = (low - output_length, high - output_length)
+    return replace(
+        throughput_workload(tokenizer, num_requests, prompt_lengths, output_length, seed),
         name="long-context",
-        prompts=[chat_prompt_of_length(tokenizer, n, rng) for n in lengths],
-        output_lengths=[output_length] * num_requests,
         description=(
             f"{num_requests} chat requests, contexts of {low}-{high} tokens "
             f"(prompt + {output_length} new tokens)"

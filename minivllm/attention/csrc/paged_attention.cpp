@@ -31,11 +31,9 @@ namespace {
 using namespace minivllm_cpu;  // the chunk arithmetic of attention_tiles.h
 constexpr int kWorkFields = 8;
 
-// The pool's dtypes: float32, and the 16-bit ones, which are widened to float32 to compute.
-#define AT_DISPATCH_CASE_FLOATING_AND_REDUCED(...)    \
-  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)           \
-  AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__)        \
-  AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)
+// The pool's dtypes: float32, and ATen's 16-bit ones (bfloat16, float16), widened to compute.
+#define DISPATCH_CASE_POOL_DTYPES(...) \
+  AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE_REDUCED_FLOATING_TYPES(__VA_ARGS__)
 
 struct Pool {  // where K/V of (block, offset, head) lie: [2, blocks, block_size, kv_heads, dim]
   int64_t num_blocks, block_size, num_kv_heads, dim;
@@ -211,7 +209,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& kv,
   at::Tensor partial_out = at::empty({partial_rows, num_heads, max_splits, dim}, q.options().dtype(at::kFloat));
   at::Tensor partial_lse = at::empty({partial_rows, num_heads, max_splits}, q.options().dtype(at::kFloat));
 
-  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention", AT_DISPATCH_CASE_FLOATING_AND_REDUCED([&] {
+  AT_DISPATCH_SWITCH(q.scalar_type(), "paged_attention", DISPATCH_CASE_POOL_DTYPES([&] {
     const int32_t* items = work.data_ptr<int32_t>();
     const int64_t num_items = work.size(0), width = block_tables.size(1);
     // Items differ in cost (a prefill chunk against a decode), so threads do not get fixed
