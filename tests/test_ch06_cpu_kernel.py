@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_ch04_engine import pool_bytes
 
+from minivllm import cpu_kernels
 from minivllm.attention import cpu_paged
 from minivllm.attention.backend import (
     get_attention_backend,
@@ -32,7 +33,7 @@ from minivllm.attention.backend import (
 from minivllm.attention.torch_paged import TorchPagedAttention
 from minivllm.utils import cdiv
 
-if cpu_paged.load_kernels() is None:
+if cpu_kernels.load_kernels() is None:
     pytest.fail("the CPU attention kernel did not build on this machine (see the warning)")
 
 DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
@@ -273,15 +274,15 @@ def test_without_a_compiler_the_engine_warns_and_gives_the_same_tokens(
     from torch.utils import cpp_extension
 
     monkeypatch.setattr(cpp_extension, "get_cxx_compiler", lambda: "no-such-compiler-c++")
-    cpu_paged.load_kernels.cache_clear()
+    cpu_kernels.load_kernels.cache_clear()
     prompts = engine_prompts(tokenizer)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             llm, tokens = generate_on(tiny_model_dirs[ENGINE_TEST_FAMILY], prompts)
     finally:
-        cpu_paged.load_kernels.cache_clear()
-    reasons = [str(w.message) for w in caught if "cpu attention backend" in str(w.message)]
+        cpu_kernels.load_kernels.cache_clear()
+    reasons = [str(w.message) for w in caught if "C++ CPU kernels" in str(w.message)]
     assert len(reasons) == 1 and "no C++ compiler found" in reasons[0]
     assert llm.llm_engine.executor.driver_worker.attention_backend is TorchPagedAttention
     assert tokens == [tiny_greedy(p, 12) for p in prompts]

@@ -12,23 +12,18 @@ a range of its keys. A long decode is split along its keys when there would othe
 few items to keep every core busy; its splits are merged with their log-sum-exps (the
 algorithm of the Triton decode kernel and of the `merge_splits` exercise). The C++ source,
 `csrc/paged_attention.cpp` (its inner loops in `csrc/attention_tiles.h`), is built at first
-use with the compiler that inductor needs anyway and cached on disk; without a compiler the
-engine says so once and runs the torch backend.
+use with the compiler that inductor needs anyway and cached on disk (`minivllm/cpu_kernels.py`);
+without a compiler the engine says so once and runs the torch backend.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
-import shutil
-import sys
-import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from minivllm import cpu_kernels
 from minivllm.attention.backend import (
     AttentionMetadata,
     PagedAttentionBackend,
@@ -37,27 +32,10 @@ from minivllm.attention.backend import (
 )
 from minivllm.utils import cdiv
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"  # the operators
-HEADER = SOURCE.with_name("attention_tiles.h")  # the vector arithmetic of a chunk of keys
 QUERY_TILE = 16  # query rows of a prefill chunk per work item: their K/V reads are shared
 MIN_SPLIT_KEYS = 256  # a split of a decode's keys is never shorter (merging costs a pass)
 ITEMS_PER_THREAD = 4  # split decodes until there are this many items per thread
 MAX_SPLITS = 16
-
-# The vector instructions at::vec is compiled for: the widest that torch itself uses here.
-# The capability is part of the build's name, so a cached build never runs on a machine that
-# lacks its instructions.
-ISA_FLAGS = {
-    "AVX512": [
-        "-DCPU_CAPABILITY_AVX512",
-        "-mavx512f",
-        "-mavx512bw",
-        "-mavx512vl",
-        "-mavx512dq",
-        "-mfma",
-    ],
-    "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
-}
 
 
 @dataclass
@@ -140,7 +118,7 @@ class CpuPagedAttention(PagedAttentionBackend):
     def for_device(cls, device: torch.device) -> type[PagedAttentionBackend]:
         if device.type != "cpu":
             raise ValueError(f"the cpu attention backend runs on the CPU, not on {device}")
-        if load_kernels() is None:
+        if cpu_kernels.load_kernels() is None:
             from minivllm.attention.torch_paged import TorchPagedAttention
 
             return TorchPagedAttention
@@ -166,47 +144,3 @@ def store_and_attend(
         out, q, kv, plan.block_tables, plan.work, plan.merges, scale, plan.max_splits
     )
     return out
-
-
-@functools.cache
-def load_kernels() -> str | None:
-    """Build (first use, about a minute on two cores) or load (cached: under a second) the C++
-    kernels; returns the library's path, or None after warning once why they cannot be built."""
-    from torch.utils import cpp_extension
-
-    compiler = cpp_extension.get_cxx_compiler()
-    if shutil.which(compiler) is None:
-        return _cannot_build(f"no C++ compiler found ({compiler!r})")
-    if not cpp_extension.is_ninja_available():
-        return _cannot_build("ninja is not installed")
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
-    # The name says what was built: a changed source or flags build anew, next to the old one.
-    code = SOURCE.read_bytes() + HEADER.read_bytes() + " ".join(flags).encode()
-    digest = hashlib.sha256(code).hexdigest()[:12]
-    name = f"minivllm_cpu_attention_{capability.lower()}_{digest}"
-    build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
-    library = build_directory / f"{name}.so"
-    if not library.exists():
-        print("minivllm: building the CPU attention kernel (once)...", file=sys.stderr, flush=True)
-    try:
-        cpp_extension.load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-    except (RuntimeError, OSError) as error:
-        return _cannot_build(f"building it failed: {error}")
-    return str(library)
-
-
-def _cannot_build(reason: str) -> None:
-    warnings.warn(
-        f"minivllm: the cpu attention backend is unavailable, {reason}; "
-        "running the torch backend instead",
-        stacklevel=3,
-    )
-    return None

@@ -1,0 +1,79 @@
+"""Chapter 12, "Our own kernel": int4 and int8 weight-only products on the CPU.
+
+A batch-1 decode reads every weight once, so the product of one activation row with an int4
+weight should take as long as reading the int4 bytes. `csrc/quantized_linear.cpp` does that
+for a few rows (`GEMV_MAX_ROWS`): each thread walks whole output columns, widens a block of 32
+4-bit (or 8-bit) integers to float vectors in registers, multiplies them with every row's
+activations, and applies the group's scale once per block; nothing is written but the output.
+Many rows (a prompt, a large batch) make the product compute-bound instead: there the weight is
+dequantized a tile of `TILE_ROWS` output columns at a time into a buffer that stays in the cache,
+and a float matrix product (oneDNN's) reads the tile. No float copy of the whole weight is
+ever made.
+
+int4 weights are kept in llama.cpp's Q4_1 order (`pack_int4_blocks`): 32 weights of a row in 16
+bytes, byte j holding weight j in its low nibble and weight j + 16 in its high one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from minivllm import cpu_kernels
+
+GEMV_MAX_ROWS = 8  # the C++ product's register blocking; more rows take the tiled product
+TILE_ROWS = 4096  # output columns dequantized at a time: 4.5 MiB of bfloat16 for K = 576
+
+
+def available() -> bool:
+    """Whether the C++ kernels built here (they share chapter 06's library)."""
+    return cpu_kernels.load_kernels() is not None
+
+
+def pack_int4_blocks(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] of 0..15 -> [N, K / 2] uint8 in Q4_1's order (see the module docstring)."""
+    rows, columns = q.shape
+    if columns % 32:
+        raise ValueError(f"int4 blocks hold 32 weights; a row of {columns} is not whole blocks")
+    halves = q.to(torch.uint8).reshape(rows, columns // 32, 2, 16)
+    return (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(rows, columns // 2)
+
+
+def int4_linear(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+) -> torch.Tensor:
+    """x [M, K] @ w.T for the int4 weight (packed, scale, minimum): [M, N] in x's dtype."""
+    kernels = torch.ops.minivllm_cpu
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        out = x.new_empty(x.shape[0], packed.shape[0])
+        kernels.int4_gemv(out, x.contiguous(), packed, scale, minimum)
+        return out
+    return tiled_linear(
+        x,
+        packed.shape[0],
+        lambda tile, begin: kernels.int4_dequantize(tile, packed, scale, minimum, begin),
+    )
+
+
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w.T for the int8 weight (q, scale [N] float32): [M, N] in x's dtype."""
+    kernels = torch.ops.minivllm_cpu
+    if x.shape[0] <= GEMV_MAX_ROWS:
+        out = x.new_empty(x.shape[0], q.shape[0])
+        kernels.int8_gemv(out, x.contiguous(), q, scale)
+        return out
+    return tiled_linear(
+        x, q.shape[0], lambda tile, begin: kernels.int8_dequantize(tile, q, scale, begin)
+    )
+
+
+def tiled_linear(x: torch.Tensor, columns: int, dequantize_tile) -> torch.Tensor:
+    """x @ w.T with w made `TILE_ROWS` rows at a time by `dequantize_tile(tile, first_row)`
+    into one reused buffer, each tile's product written into its columns of the output."""
+    out = x.new_empty(x.shape[0], columns)
+    buffer = x.new_empty(min(columns, TILE_ROWS), x.shape[1])
+    for begin in range(0, columns, TILE_ROWS):
+        tile = buffer[: min(columns - begin, TILE_ROWS)]
+        dequantize_tile(tile, begin)
+        out[:, begin : begin + tile.shape[0]] = F.linear(x, tile)
+    return out
