@@ -11,11 +11,15 @@ CPU pool is resident only where written, and the metrics say how much that is.
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
+import shutil
 import sys
 import weakref
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import ENGINE_TEST_FAMILY, EOS_TOKEN_ID, hf_generate
@@ -160,6 +164,84 @@ def test_the_q4_1_reader_gives_the_files_own_weights(embedded_dir):
                      "model.layers.29.mlp.down_proj.weight"):  # fmt: skip
             dequantized = q.dequantize_int4(*file_weights[name], 32)
             assert torch.equal(dequantized, checkpoint.get_tensor(name)), name
+
+
+# --- GGUF files, written the way llama.cpp's converter writes them -----------------------------
+
+HF_TO_GGUF_NAMES = {
+    "q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
+    "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
+}  # fmt: skip
+
+
+def llama_cpp_permute(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's `LlamaModel.permute` (convert_hf_to_gguf.py): Hugging Face's q/k row order
+    -> the GGUF file's."""
+    shaped = rows.reshape(num_heads, 2, rows.shape[0] // num_heads // 2, *rows.shape[1:])
+    return shaped.swapaxes(1, 2).reshape(rows.shape)
+
+
+def write_q4_1_gguf(model_dir: Path, architecture: str) -> None:
+    """A GGUF file beside the checkpoint holding its linear layers in Q4_1, as llama.cpp's
+    converter writes them: q and k rows permuted for the "llama" architecture only (its
+    LlamaModel permutes, its Qwen2Model does not)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    writer = gguf.GGUFWriter(model_dir / "model.Q4_1.gguf", arch=architecture)
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        parts = name.split(".")
+        if parts[-1] != "weight" or parts[-2] not in HF_TO_GGUF_NAMES:
+            continue
+        rows = tensor.float().numpy()
+        if architecture == "llama" and parts[-2] in ("q_proj", "k_proj"):
+            heads = "num_attention_heads" if parts[-2] == "q_proj" else "num_key_value_heads"
+            rows = llama_cpp_permute(rows, config[heads])
+        blocks = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_1)
+        writer.add_tensor(f"blk.{parts[2]}.{HF_TO_GGUF_NAMES[parts[-2]]}.weight", blocks,
+                          raw_dtype=gguf.GGMLQuantizationType.Q4_1)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tiny_model_with_gguf(tiny_model_dirs, family: str, architecture: str, directory: Path) -> Path:
+    """A copy of the tiny `family` model with a Q4_1 GGUF file of `architecture` beside it."""
+    model_dir = Path(shutil.copytree(tiny_model_dirs[family], directory / family))
+    write_q4_1_gguf(model_dir, architecture)
+    return model_dir
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_gguf_q_and_k_rows_come_back_in_hugging_faces_order(tiny_model_dirs, tmp_path, family):
+    """quantization="gguf" undoes llama.cpp's q/k row permutation where its converter made one
+    (a Llama file), and only there: a Qwen2 file's rows are read as they are. Either way the q
+    and k rows the engine multiplies by are the checkpoint's rows rounded to Q4_1's levels
+    (gguf's own quantizer on the rows in Hugging Face's order; Q4_1 rounds each row alone)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    from safetensors.torch import load_file
+
+    model_dir = tiny_model_with_gguf(tiny_model_dirs, family, family, tmp_path)
+    model = load_model(model_dir, quantization="gguf")
+    qkv = model.model.layers[0].self_attn.qkv_proj.quantized
+    loaded = qkv.matmul(torch.eye(qkv.shape[1])).T  # the product with the identity: the weight
+    state = load_file(model_dir / "model.safetensors")
+    for offset, name in ((0, "q_proj"), (model.config.num_heads * model.config.head_dim, "k_proj")):
+        weight = state[f"model.layers.0.self_attn.{name}.weight"]
+        levels = dequantize(quantize(weight.numpy(), GGMLQuantizationType.Q4_1),
+                            GGMLQuantizationType.Q4_1)  # fmt: skip
+        rows = loaded[offset : offset + len(weight)]
+        torch.testing.assert_close(rows, torch.from_numpy(levels), rtol=0, atol=2e-6)
+
+
+def test_a_gguf_file_of_an_unknown_architecture_is_refused(tiny_model_dirs, tmp_path):
+    """A file whose q/k layout minivllm does not know must not load as a wrong model."""
+    model_dir = tiny_model_with_gguf(tiny_model_dirs, "llama", "gemma2", tmp_path)
+    with pytest.raises(ValueError, match=r"architecture 'gemma2'.*llama, qwen2, qwen3"):
+        load_model(model_dir, quantization="gguf")
 
 
 def dequantized_hf_model(path, method: str):

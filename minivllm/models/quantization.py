@@ -265,28 +265,50 @@ def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q.reshape(rows, -1), scale, minimum
 
 
+# general.architecture -> whether llama.cpp's converter permuted that architecture's q and k rows.
+# Its LlamaModel does (Llama and Mistral checkpoints, both written as "llama"): llama.cpp's
+# rotary embedding for them pairs neighbouring dimensions, Hugging Face's the two halves of a
+# head. Qwen2 and Qwen3 rotate the halves in llama.cpp too (its NEOX rotation) and are written
+# as they are. transformers' GGUF reader reverses the permutation for "llama" alone
+# (`TENSOR_PROCESSORS` in modeling_gguf_pytorch_utils.py).
+GGUF_QK_PERMUTED = {"llama": True, "qwen2": False, "qwen3": False}
+
+
 def reverse_rope_permutation(rows: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """llama.cpp stores q_proj's and k_proj's rows permuted (its rotary embedding pairs
-    neighbouring dimensions, Hugging Face's pairs the two halves of a head); this undoes it, as
-    transformers does when it reads a GGUF file. Whole rows move, so quantized rows (and their
-    scales) move with them unchanged."""
+    """Undo llama.cpp's permutation of q_proj's or k_proj's rows (see GGUF_QK_PERMUTED). Whole
+    rows move, so quantized rows (and their scales) move with them unchanged."""
     half = rows.shape[0] // num_heads // 2
     shaped = rows.reshape(num_heads, half, 2, *rows.shape[1:])
     return shaped.transpose(1, 2).reshape(rows.shape)
 
 
+def gguf_architecture(reader, gguf_path) -> str:
+    """The file's `general.architecture`; a ValueError for one whose q/k layout is unknown."""
+    field = reader.get_field("general.architecture")
+    architecture = None if field is None else field.contents()
+    if architecture not in GGUF_QK_PERMUTED:
+        raise ValueError(
+            f"{gguf_path}: GGUF architecture {architecture!r} is not supported by "
+            f"quantization='gguf'; supported: {', '.join(GGUF_QK_PERMUTED)}"
+        )
+    return architecture
+
+
 def read_q4_1_linear_weights(gguf_path, num_heads: int, num_kv_heads: int):
-    """Hugging Face name -> (q, scale, minimum) of every Q4_1 linear weight in a GGUF file."""
+    """Hugging Face name -> (q, scale, minimum) of every Q4_1 linear weight in a GGUF file, the
+    q and k rows in Hugging Face's order."""
     from gguf import GGMLQuantizationType, GGUFReader
 
+    reader = GGUFReader(str(gguf_path))
+    qk_permuted = GGUF_QK_PERMUTED[gguf_architecture(reader, gguf_path)]
     weights = {}
-    for tensor in GGUFReader(str(gguf_path)).tensors:
+    for tensor in reader.tensors:
         block, _, kind = tensor.name.partition(".")[2].partition(".")
         kind = kind.removesuffix(".weight")
         if kind not in GGUF_LINEAR_NAMES or tensor.tensor_type != GGMLQuantizationType.Q4_1:
             continue
         parts = unpack_q4_1(torch.from_numpy(tensor.data.copy()))
-        if kind in ("attn_q", "attn_k"):
+        if qk_permuted and kind in ("attn_q", "attn_k"):
             heads = num_heads if kind == "attn_q" else num_kv_heads
             parts = tuple(reverse_rope_permutation(part, heads) for part in parts)
         weights[f"model.layers.{block}.{GGUF_LINEAR_NAMES[kind]}.weight"] = parts
