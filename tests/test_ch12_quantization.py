@@ -237,6 +237,39 @@ def test_gguf_q_and_k_rows_come_back_in_hugging_faces_order(tiny_model_dirs, tmp
         torch.testing.assert_close(rows, torch.from_numpy(levels), rtol=0, atol=2e-6)
 
 
+def file_scales_and_minimums(gguf_path: Path, names) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float16 d and m of the named Q4_1 tensors, as the file's bytes hold them (a block:
+    d, m, then 16 bytes of nibbles), the tensors' rows one after the other."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}
+    blocks = [torch.from_numpy(tensors[n].data.copy()) for n in names]
+    blocks = torch.cat([b.reshape(b.shape[0], -1, 20) for b in blocks])
+    return tuple(blocks[..., i : i + 2].contiguous().view(torch.float16)[..., 0] for i in (0, 2))
+
+
+def test_gguf_scales_are_the_files_and_rounded_once_for_the_kernel(tiny_model_dirs, tmp_path):
+    """The file's float16 scales and minimums are read bit for bit (gate and up, stacked into
+    one layer); the bfloat16 kernel's (scale, zero) is then exactly bf16(d) and bf16(m + 8 d),
+    the one rounding Int4Weight's docstring names, and nothing else."""
+    model_dir = tiny_model_with_gguf(tiny_model_dirs, "llama", "llama", tmp_path)
+    gguf_path = model_dir / "model.Q4_1.gguf"
+    d, m = file_scales_and_minimums(gguf_path, ["blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"])
+    read = q.read_q4_1_linear_weights(gguf_path, num_heads=4, num_kv_heads=2)
+    for part, file_part in ((1, d), (2, m)):
+        loaded = torch.cat(
+            [read[f"model.layers.1.mlp.{n}_proj.weight"][part] for n in ("gate", "up")]
+        )
+        assert loaded.dtype == torch.float32 and torch.equal(loaded, file_part.float())
+        assert torch.equal(loaded.half().view(torch.int16), file_part.view(torch.int16))
+    layer = load_model(model_dir, torch.bfloat16, quantization="gguf").model.layers[1].mlp
+    weight = layer.gate_up_proj.quantized
+    assert weight.layout.kernel == "cpu"
+    scale, zero = weight.scale_and_zero.unbind(-1)
+    assert torch.equal(scale.t(), d.float().bfloat16())
+    assert torch.equal(zero.t(), (m.float() + 8 * d.float()).bfloat16())
+
+
 def test_a_gguf_file_of_an_unknown_architecture_is_refused(tiny_model_dirs, tmp_path):
     """A file whose q/k layout minivllm does not know must not load as a wrong model."""
     model_dir = tiny_model_with_gguf(tiny_model_dirs, "llama", "gemma2", tmp_path)

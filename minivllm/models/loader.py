@@ -211,12 +211,14 @@ def gguf_file_of(path: Path) -> Path:
 
 
 def load_gguf_linear_weights(model: LlamaForCausalLM, gguf_path: Path) -> None:
-    """Chapter 12: every linear layer multiplies by the file's own Q4_1 blocks, unchanged (no
-    dequantization: the same weights llama.cpp runs). The blocks go through the layers' own
-    weight loaders, as the float weights did: a block covers 32 weights of one row, so the
-    rows a loader stacks (q, k, v into qkv_proj) or a rank's share of the columns carry their
-    blocks' scales and minimums along. The embedding table (Q8_0 in the file) is taken from
-    the float checkpoint, which holds it dequantized, and stored in int8 per row."""
+    """Chapter 12: every linear layer multiplies by the file's own Q4_1 blocks, never
+    dequantized: the file's 4-bit levels, and its float16 scales and minimums read exactly (in
+    float32). The int4 kernels then round each group's scale and zero to the activations'
+    dtype (`Int4Weight`). The blocks go through the layers' own weight loaders, as the float
+    weights did: a block covers 32 weights of one row, so the rows a loader stacks (q, k, v
+    into qkv_proj) or a rank's share of the columns carry their blocks' scales and minimums
+    along. The embedding table (Q8_0 in the file) is taken from the float checkpoint, which
+    holds it dequantized, and stored in int8 per row."""
     config = model.config
     file_weights = read_q4_1_linear_weights(gguf_path, config.num_heads, config.num_kv_heads)
     parts_by_layer: dict[str, tuple[torch.Tensor, ...]] = {}

@@ -158,7 +158,12 @@ def int4_layout(shape: torch.Size, group_size: int, dtype: torch.dtype, device) 
 
 class Int4Weight:
     """A group-wise int4 weight [N, K], packed once for the device's kernel (two values a
-    byte); only the packed values and each group's scale and zero are kept."""
+    byte); only the packed values and each group's scale and zero are kept.
+
+    The kernels read the scale and zero in the activations' dtype, so those two numbers are
+    rounded to it once, here: with bfloat16 activations a group's weights are
+    (q - 8) * bf16(scale) + bf16(minimum + 8 * scale), the zero summed in float32 first. The
+    levels q are kept exactly; the reference layout keeps scale and minimum as given."""
 
     def __init__(
         self,
@@ -255,7 +260,8 @@ GGUF_LINEAR_NAMES = {
 
 def unpack_q4_1(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A Q4_1 tensor's bytes [N, K / 32 * 20] -> q [N, K] uint8, scale and minimum [N, K / 32]
-    float32, without dequantizing a weight."""
+    float32 (every float16 is a float32 exactly: the file's d and m, bit for bit), without
+    dequantizing a weight."""
     rows = blocks.shape[0]
     blocks = blocks.reshape(rows, -1, Q4_1_BLOCK_BYTES)
     scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
