@@ -53,9 +53,14 @@ def model_dir(tiny_model_dirs):
     return tiny_model_dirs[ENGINE_TEST_FAMILY]
 
 
+def caller_id(core_id: str) -> str:
+    """The caller's request id of an id the core knows a request by ("r" of "r-7")."""
+    return core_id.rpartition("-")[0]
+
+
 class RecordingClient(MPClient):
     """The engine core in its own process, with a record of what crossed: every report the
-    core sent, every abort the front end sent."""
+    core sent, every abort the front end sent (named by the callers' request ids)."""
 
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
@@ -71,15 +76,15 @@ class RecordingClient(MPClient):
         super().start(record, on_failure)
 
     def abort_requests(self, request_ids: list[str]) -> None:
-        self.aborted += request_ids
+        self.aborted += [caller_id(request_id) for request_id in request_ids]
         super().abort_requests(request_ids)
 
     def abort_sequences(self, sequences: list[tuple[str, int]]) -> None:
-        self.aborted_sequences += sequences
+        self.aborted_sequences += [(caller_id(request_id), i) for request_id, i in sequences]
         super().abort_sequences(sequences)
 
     def deltas_of(self, request_id: str) -> list[RequestOutput]:
-        return [o for r in self.reports for o in r.outputs if o.request_id == request_id]
+        return [o for r in self.reports for o in r.outputs if caller_id(o.request_id) == request_id]
 
 
 @pytest.fixture(scope="module")
@@ -468,7 +473,7 @@ class FakeTokenizer:
 class FakeEngine:
     """Each request runs `steps` steps, one token each, and returns cumulative outputs as
     LLMEngine does for the server (token ids, no text: the front end makes it, "t" a token);
-    `fail_add` requests are refused by add_request with a RuntimeError."""
+    `fail_add` requests (by the callers' ids) are refused by add_request with a RuntimeError."""
 
     def __init__(self, steps: int = 1, fail_add: tuple[str, ...] = ()) -> None:
         self.processor = FakeProcessor()
@@ -478,7 +483,7 @@ class FakeEngine:
         self.fail_next_step = False
 
     def add_request(self, request_id, prompt, params, priority=0):
-        if request_id in self.fail_add:
+        if caller_id(request_id) in self.fail_add:
             raise RuntimeError(f"cannot build a grammar for {request_id}")
         self.progress[request_id] = 0
 

@@ -45,13 +45,21 @@ back to the pool at once instead of after `max_tokens` tokens nobody reads.
 
 Back-pressure: at most `max_waiting_requests` requests may wait for their first token; one more
 raises `EngineOverloadedError` (the server answers 503) instead of growing a queue without bound.
+
+Request ids: the caller's id names the stream and its outputs, and may be used again as soon as
+its stream has closed. The core may still be running the old request then: an abort reaches it
+between two steps, and the step under way ends with an output of the old request. So, as in
+vLLM, the core knows every request by an id of its own, the caller's id and a serial number
+(`"r-7"`), never used twice by one `AsyncLLM`: the old request's late output names the old id,
+which nothing listens to any more.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 from minivllm.config import EngineConfig
@@ -93,7 +101,8 @@ class RequestStream:
     Iterate it with `async for`; `close()` (also called when iteration is abandoned through
     `AsyncLLM.generate`) aborts the request if it has not finished. Used on the loop only."""
 
-    request_id: str
+    request_id: str  # the caller's
+    core_id: str  # the engine core's (see the module docstring)
     owner: AsyncLLM
     output: RequestOutput  # everything received so far, joined
     started: bool = False  # has produced its first output
@@ -122,7 +131,7 @@ class RequestStream:
         """Stop the request if it is still running (idempotent)."""
         if not self.finished:
             self.finished = True
-            self.owner.abort(self.request_id)
+            self.owner._abort(self.core_id)
 
     def receive(self, delta: RequestOutput) -> None:
         self.started = True
@@ -148,7 +157,10 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.output_processor = OutputProcessor(self.client.tokenizer)  # the loop's alone
         self.listeners: list[StepListener] = []
-        self._streams: dict[str, RequestStream] = {}  # open streams; the loop's alone
+        # Open streams by core id, and the core id of each open caller's id; the loop's alone.
+        self._streams: dict[str, RequestStream] = {}
+        self._core_ids: dict[str, str] = {}
+        self._serials = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop the streams live in
         self._error: BaseException | None = None
         self._stopping = False
@@ -212,7 +224,7 @@ class AsyncLLM:
         engine core; its outputs arrive on the returned stream. Call from a coroutine."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self._error
-        if request_id in self._streams:
+        if request_id in self._core_ids:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.max_waiting_requests is not None and self.num_waiting >= self.max_waiting_requests:
             raise EngineOverloadedError(
@@ -223,11 +235,18 @@ class AsyncLLM:
         processed, params = self.client.processor.process_request(prompt, params)
         prompt = processed.as_prompt()
         self._use_loop(asyncio.get_running_loop())
-        self.client.add_request(AddRequest(request_id, prompt, core_params(params), priority))
+        # A unique id for the core, rather than a serial number the core would echo with each
+        # output: the id is the key the core, the output processor and MPClient's routes
+        # already use, and unique ids keep each of them right as it is, where a serial would
+        # travel in every message and be checked at each of them.
+        core_id = f"{request_id}-{next(self._serials)}"
+        self.client.add_request(AddRequest(core_id, prompt, core_params(params), priority))
         # Registered after the send: its first output is delivered on this loop, later.
-        self.output_processor.add_request(request_id, prompt["prompt_token_ids"], params)
-        stream = RequestStream(request_id, self, new_request_output(request_id, prompt))
-        self._streams[request_id] = stream
+        self.output_processor.add_request(core_id, prompt["prompt_token_ids"], params)
+        output = new_request_output(request_id, prompt)
+        stream = RequestStream(request_id, core_id, self, output)
+        self._streams[core_id] = stream
+        self._core_ids[request_id] = core_id
         return stream
 
     def _use_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -241,6 +260,7 @@ class AsyncLLM:
             self.client.abort_requests(list(self._streams))
             self.output_processor.abort_requests(list(self._streams))
             self._streams.clear()
+            self._core_ids.clear()
         self._loop = loop
 
     async def generate(
@@ -262,15 +282,29 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request wherever it is; its blocks are freed before the next step."""
-        stream = self._streams.pop(request_id, None)
+        core_id = self._core_ids.get(request_id)
+        if core_id is not None:
+            self._abort(core_id)
+
+    def _abort(self, core_id: str) -> None:
+        """`abort`, by the core's id: what a stream stops is its own request, even once its
+        caller's id names another one."""
+        stream = self._forget(core_id)
         if stream is None:
             return
-        self.output_processor.abort_requests([request_id])
+        self.output_processor.abort_requests([core_id])
         stream.finished = True
         if self.is_running:
-            self.client.abort_requests([request_id])
+            self.client.abort_requests([core_id])
         for listener in self.listeners:
-            listener.on_abort([request_id])
+            listener.on_abort([stream.request_id])
+
+    def _forget(self, core_id: str) -> RequestStream | None:
+        """Close the books on an open stream (None if it is not open); its id is free again."""
+        stream = self._streams.pop(core_id, None)
+        if stream is not None:
+            del self._core_ids[stream.request_id]
+        return stream
 
     def add_listener(self, listener: StepListener) -> None:
         self.listeners.append(listener)
@@ -319,26 +353,31 @@ class AsyncLLM:
     def _deliver(self, report: EngineCoreOutputs) -> None:
         # Requests aborted while this step ran are left out: their outputs are not wanted.
         processed = self.output_processor.process_outputs(report.outputs)
+        streams = [self._streams[output.request_id] for output in processed.outputs]
+        # From here on the outputs carry their caller's ids.
+        outputs = [
+            replace(output, request_id=stream.request_id)
+            for stream, output in zip(streams, processed.outputs)
+        ]
         for listener in self.listeners:
-            listener.on_step(processed.outputs, report.timestamp)
-        for output in processed.outputs:
-            stream = self._streams[output.request_id]
+            listener.on_step(outputs, report.timestamp)
+        for stream, output in zip(streams, outputs):
             if output.finished:
-                del self._streams[output.request_id]
+                self._forget(stream.core_id)
             stream.receive(output)
         if self.is_running:  # what a stop string ended here, the core must stop too
             if processed.requests_to_abort:
                 self.client.abort_requests(processed.requests_to_abort)
             if processed.sequences_to_abort:
                 self.client.abort_sequences(processed.sequences_to_abort)
-        for request_id, error in report.errors.items():
-            self.output_processor.abort_requests([request_id])
-            stream = self._streams.pop(request_id, None)
+        for core_id, error in report.errors.items():
+            self.output_processor.abort_requests([core_id])
+            stream = self._forget(core_id)
             if stream is not None:
                 stream.fail(error)
 
     def _fail_streams(self, error: BaseException) -> None:
         self.output_processor.abort_requests(list(self._streams))
-        streams, self._streams = self._streams, {}
+        streams, self._streams, self._core_ids = self._streams, {}, {}
         for stream in streams.values():
             stream.fail(error)

@@ -303,7 +303,10 @@ class MPClient(EngineCoreClient):
             raise
         self.processor = Processor(self.tokenizer, vocab_size, self.max_model_len)
         self.block_size = config.block_size
-        self.request_core: dict[str, CoreProcess] = {}  # unfinished request -> its core
+        # Unfinished request -> its core. AsyncLLM never uses a request id twice (a caller's
+        # id used again is another id for the core), so a late final report of an aborted
+        # request cannot take the route of a request that came after it.
+        self.request_core: dict[str, CoreProcess] = {}
         self.prefix_affinity = PrefixAffinity(config.block_size) if num_cores > 1 else None
 
     def _start_core(self, index: int, config: EngineConfig, num_threads: int) -> CoreProcess:

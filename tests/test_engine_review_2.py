@@ -1,0 +1,200 @@
+"""Engine checks across chapters 06, 09 and 11: a request id used again right after an abort,
+the Triton kernels that warm-up compiles, the flex backend's start-up probe, many compiled
+models in one process, and the width of the CUDA-graph inputs."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
+
+from minivllm import SamplingParams
+from minivllm.config import EngineConfig
+from minivllm.engine.async_llm import AsyncLLM
+from minivllm.engine.core_client import MPClient
+from minivllm.engine.processor import Processor
+from minivllm.outputs import CompletionOutput, RequestOutput
+
+HANG_GUARD_S = 60  # a wait that ends long before this, unless something hangs
+
+# --- chapter 09: a request id used again while the core still runs the old request ----------
+
+
+class SteppedEngine:
+    """A fake engine: request number k emits 100 k, 100 k + 1, ... one token a step, three in
+    all; its second step waits, once `hold_step_2` is set, until `release` is."""
+
+    def __init__(self) -> None:
+        self.processor = Processor(tokenizer=None, vocab_size=1000, max_model_len=1000)
+        self.tokenizer = None
+        self.max_model_len = 1000
+        self.model_path = "fake"
+        self.requests: dict[str, tuple[int, list[int]]] = {}  # id -> (first token, tokens)
+        self.num_added = 0
+        self.num_steps = 0
+        self.in_step_2, self.release = threading.Event(), threading.Event()
+
+    def add_request(self, request_id, prompt, params, priority=0) -> None:
+        self.num_added += 1
+        self.requests[request_id] = (100 * self.num_added, [])
+
+    def abort_request(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.requests.pop(request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        self.num_steps += 1
+        if self.num_steps == 2:
+            self.in_step_2.set()
+            self.release.wait(HANG_GUARD_S)
+        outputs = []
+        for request_id, (first, tokens) in list(self.requests.items()):
+            tokens.append(first + len(tokens))
+            done = len(tokens) == 3
+            reason = "length" if done else None
+            completion = CompletionOutput(0, "", list(tokens), finish_reason=reason)
+            outputs.append(RequestOutput(request_id, None, [1], [completion], done))
+            if done:
+                del self.requests[request_id]
+        return outputs
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_a_reused_request_id_gets_none_of_the_aborted_requests_tokens_in_process():
+    """The old request is aborted and its id used again while the engine thread is inside a
+    step that still holds the old request: the new stream gets its own three tokens only, not
+    the old request's token from that step."""
+    engine = SteppedEngine()
+    llm = AsyncLLM(engine, max_waiting_requests=None)
+    params = SamplingParams(max_tokens=3, detokenize=False)
+
+    async def main() -> list[int]:
+        old = llm.add_request("r", {"prompt_token_ids": [1]}, params)
+        assert (await anext(old)).outputs[0].token_ids == [100]
+        await asyncio.to_thread(engine.in_step_2.wait, HANG_GUARD_S)
+        old.close()
+        new = llm.add_request("r", {"prompt_token_ids": [1]}, params)
+        engine.release.set()
+        outputs = [output async for output in new]
+        assert outputs[-1].finished and outputs[-1].request_id == "r"
+        return outputs[-1].outputs[0].token_ids
+
+    try:
+        assert asyncio.run(main()) == [200, 201, 202]
+    finally:
+        engine.release.set()
+        llm.shutdown()
+
+
+# The same over a real engine-core process, which runs the tiny model.
+SETTINGS = dict(
+    device="cpu", dtype="float32", block_size=4, max_model_len=128, kv_cache_memory_bytes=32 << 20
+)
+
+
+class LateReportClient(MPClient):
+    """The engine core in its own process, whose output thread can be told to hold the next
+    report that finishes a request, as if it came late, until the test lets it through."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.hold_next = False
+        self.holding, self.release, self.taken = (threading.Event() for _ in range(3))
+
+    def hold_next_finishing_report(self) -> None:
+        for event in (self.holding, self.release, self.taken):
+            event.clear()
+        self.hold_next = True
+
+    def _take_report(self, core, report) -> None:
+        held = self.hold_next and any(output.finished for output in report.outputs)
+        if held:
+            self.hold_next = False
+            self.holding.set()
+            self.release.wait(HANG_GUARD_S)
+        super()._take_report(core, report)
+        if held:
+            self.taken.set()
+
+
+@pytest.fixture(scope="module")
+def late_report_llm(tiny_model_dirs):
+    model = str(tiny_model_dirs[ENGINE_TEST_FAMILY])
+    llm = AsyncLLM(LateReportClient(EngineConfig(model=model, **SETTINGS)))
+    yield llm
+    llm.shutdown()
+
+
+def engine_is_idle(engine) -> bool:
+    return not engine.has_unfinished_requests()
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def abort_while_the_last_output_is_late(llm: AsyncLLM, request_id: str) -> None:
+    """A one-token request whose only (finishing) report is held on its way to the front end
+    while the request is aborted, as a client that leaves at that moment does."""
+    llm.client.hold_next_finishing_report()
+    old = llm.add_request(request_id, {"prompt_token_ids": [5, 6, 7]}, greedy(1))
+    await asyncio.to_thread(llm.client.holding.wait, HANG_GUARD_S)
+    old.close()
+
+
+def test_a_reused_request_id_gets_none_of_the_aborted_requests_tokens_over_processes(
+    late_report_llm,
+):
+    """The old request's last report reaches the front end after its id was used again: the
+    new stream gets its own tokens, as many as it asked for, the same as a run of its own."""
+    llm = late_report_llm
+    prompt = {"prompt_token_ids": [40, 41, 42, 43]}
+
+    async def main() -> tuple[list[int], list[int]]:
+        await abort_while_the_last_output_is_late(llm, "r")
+        new = llm.add_request("r", prompt, greedy(5))
+        llm.client.release.set()
+        outputs = [output async for output in new]
+        alone = [output async for output in llm.add_request("alone", prompt, greedy(5))]
+        return outputs[-1].outputs[0].token_ids, alone[-1].outputs[0].token_ids
+
+    tokens, alone = asyncio.run(main())
+    assert len(tokens) == 5 and tokens == alone
+    settle(llm)
+
+
+def test_the_abort_of_a_reused_request_id_reaches_the_core(late_report_llm):
+    """The old request's last report reaches MPClient after its id was used again; it must
+    not take the new request's route with it: an abort of the new request still reaches its
+    core, which then runs nothing."""
+    llm = late_report_llm
+
+    async def main() -> None:
+        await abort_while_the_last_output_is_late(llm, "s")
+        llm.add_request("s", {"prompt_token_ids": [50, 51, 52]}, greedy(100))
+        llm.client.release.set()
+        # The late report has been taken in; nothing of it has reached the loop yet.
+        assert llm.client.taken.wait(HANG_GUARD_S)
+        llm.abort("s")
+
+    asyncio.run(main())
+    # Calls reach the core after the messages sent before them: the abort, if it was sent.
+    assert llm.call_engine(engine_is_idle)
+    settle(llm)
+
+
+def settle(llm: AsyncLLM) -> None:
+    """Once nothing runs, every block of the core's pool is free."""
+    deadline = time.monotonic() + HANG_GUARD_S
+    while llm.num_open_requests or not llm.call_engine(engine_is_idle):
+        assert time.monotonic() < deadline, "requests never finished"
+        time.sleep(0.01)
+    llm.call_engine(assert_pool_is_empty)
