@@ -23,8 +23,12 @@ PACKAGE = Path(__file__).parent
 SOURCES = [  # compiled, in this order
     PACKAGE / "attention" / "csrc" / "paged_attention.cpp",
     PACKAGE / "models" / "csrc" / "quantized_linear.cpp",
+    PACKAGE / "models" / "csrc" / "quantized_linear_int8_activations.cpp",
 ]
-HEADERS = [PACKAGE / "attention" / "csrc" / "attention_tiles.h"]  # included; part of the hash
+HEADERS = [  # included by the sources; part of the build's hash
+    PACKAGE / "attention" / "csrc" / "attention_tiles.h",
+    PACKAGE / "models" / "csrc" / "quantized_blocks.h",
+]
 
 # The vector instructions at::vec (and the kernels' own intrinsics) are compiled for: the widest
 # that torch itself uses here. The capability is part of the build's name, so a cached build
@@ -37,9 +41,21 @@ ISA_FLAGS = {
         "-mavx512vl",
         "-mavx512dq",
         "-mfma",
+        "-mf16c",  # float16 scales widened by one instruction (not implied by -mavx512f)
     ],
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
+# AVX512-VNNI's byte dot product, where the CPU has it (int8 activations, chapter 12).
+VNNI_FLAGS = ["-DMINIVLLM_VNNI", "-mavx512vnni"]
+
+
+def compiler_flags() -> tuple[str, list[str]]:
+    """The build's name for this CPU's instructions, and the flags that target them."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
+    if capability == "AVX512" and torch.cpu.get_capabilities().get("avx512_vnni", False):
+        capability, flags = "AVX512_VNNI", flags + VNNI_FLAGS
+    return capability.lower(), flags
 
 
 @functools.cache
@@ -53,12 +69,11 @@ def load_kernels() -> str | None:
         return _cannot_build(f"no C++ compiler found ({compiler!r})")
     if not cpp_extension.is_ninja_available():
         return _cannot_build("ninja is not installed")
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
+    capability, flags = compiler_flags()
     # The name says what was built: a changed source or flags build anew, next to the old one.
     code = b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join(flags).encode()
     digest = hashlib.sha256(code).hexdigest()[:12]
-    name = f"minivllm_cpu_kernels_{capability.lower()}_{digest}"
+    name = f"minivllm_cpu_kernels_{capability}_{digest}"
     build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
     library = build_directory / f"{name}.so"
     if not library.exists():

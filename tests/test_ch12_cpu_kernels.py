@@ -2,7 +2,8 @@
 
 The definitions are chapter 12's plain functions (`dequantize_int4`, `dequantize_int8`): the
 product of activations with the dequantized weight, computed here in float64. The kernels are
-drawn across both of their paths (a few rows: the register-blocked product; more: the tiled
+drawn across both of their paths (and, for a few rows, with the activations quantized to int8
+blocks too: W4A8 and W8A8, checked against the product with those blocks) (a few rows: the register-blocked product; more: the tiled
 one, with tiles made small so that a weight spans several), group sizes of one and two
 32-weight blocks, scales stored in float32 and float16, constant groups (scale 1, all zeros) and
 tiny rows, float32 and bfloat16 activations.
@@ -55,26 +56,39 @@ def activations(draw, columns: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(rows, columns, generator=generator).to(dtype)
 
 
-def assert_is_product(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """out == x @ weight.T in float64, within the rounding of its dtype, measured against the
-    product of magnitudes (the size of the largest partial sum)."""
+def assert_is_product(
+    out: torch.Tensor, x: torch.Tensor, seen: torch.Tensor, weight: torch.Tensor
+) -> None:
+    """out == seen @ weight.T in float64 (seen: the activations x as the kernel multiplies
+    them), within the rounding of x's dtype, measured against the product of magnitudes (the
+    size of the largest partial sum)."""
     assert out.dtype == x.dtype and out.shape == (x.shape[0], weight.shape[0])
-    expected = x.double() @ weight.double().T
-    magnitude = x.double().abs() @ weight.double().abs().T
+    expected = seen.double() @ weight.double().T
+    magnitude = seen.double().abs() @ weight.double().abs().T
     error = (out.double() - expected).abs()
     assert bool((error <= TOLERANCE[x.dtype] * magnitude + 1e-30).all()), error.max()
 
 
-@settings(max_examples=40, deadline=None)
+def as_the_kernel_sees_them(x: torch.Tensor, int8_activations: bool) -> torch.Tensor:
+    """The activations a product multiplies: x itself, or its int8 blocks dequantized."""
+    if not int8_activations:
+        return x
+    levels, step = cpu_quantized.quantize_activation_blocks(x)
+    blocks = levels.double().reshape(x.shape[0], -1, 32) * step.double()[..., None]
+    return blocks.reshape(x.shape)
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     data=st.data(),
     weight=weights(),
     dtype=ACTIVATION_DTYPES,
     scale_dtype=st.sampled_from([torch.float32, torch.float16]),
     two_blocks=st.booleans(),
+    int8_activations=st.booleans(),
 )
 def test_int4_product_is_the_product_with_the_dequantized_weight(
-    data, weight, dtype, scale_dtype, two_blocks
+    data, weight, dtype, scale_dtype, two_blocks, int8_activations
 ):
     group_size = 64 if two_blocks and weight.shape[1] % 64 == 0 else 32
     q, scale, minimum = quantize_int4(weight, group_size)
@@ -82,19 +96,28 @@ def test_int4_product_is_the_product_with_the_dequantized_weight(
     x = activations(data.draw, weight.shape[1], dtype)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_quantized, "TILE_ROWS", data.draw(st.integers(1, 16)))
-        out = cpu_quantized.int4_linear(x, cpu_quantized.pack_int4_blocks(q), scale, minimum)
-    assert_is_product(out, x, dequantize_int4(q, scale.float(), minimum.float(), group_size))
+        packed = cpu_quantized.pack_int4_blocks(q)
+        out = cpu_quantized.int4_linear(x, packed, scale, minimum, int8_activations)
+    seen = as_the_kernel_sees_them(
+        x, int8_activations and x.shape[0] <= cpu_quantized.GEMV_MAX_ROWS
+    )
+    assert_is_product(out, x, seen, dequantize_int4(q, scale.float(), minimum.float(), group_size))
 
 
-@settings(max_examples=40, deadline=None)
-@given(data=st.data(), weight=weights(), dtype=ACTIVATION_DTYPES)
-def test_int8_product_is_the_product_with_the_dequantized_weight(data, weight, dtype):
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), weight=weights(), dtype=ACTIVATION_DTYPES, int8_activations=st.booleans())
+def test_int8_product_is_the_product_with_the_dequantized_weight(
+    data, weight, dtype, int8_activations
+):
     q, scale = quantize_int8(weight)
     x = activations(data.draw, weight.shape[1], dtype)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_quantized, "TILE_ROWS", data.draw(st.integers(1, 16)))
-        out = cpu_quantized.int8_linear(x, q, scale)
-    assert_is_product(out, x, dequantize_int8(q, scale))
+        out = cpu_quantized.int8_linear(x, q, scale, int8_activations)
+    seen = as_the_kernel_sees_them(
+        x, int8_activations and x.shape[0] <= cpu_quantized.GEMV_MAX_ROWS
+    )
+    assert_is_product(out, x, seen, dequantize_int8(q, scale))
 
 
 @settings(max_examples=20, deadline=None)
@@ -136,6 +159,24 @@ def test_each_row_count_takes_its_path(rows):
     assert len(tiled) == (0 if rows <= cpu_quantized.GEMV_MAX_ROWS else 2)
 
 
+@settings(max_examples=30, deadline=None)
+@given(weight=weights())
+def test_int8_activation_blocks_round_to_the_nearest_of_255_levels(weight):
+    """Each block's largest magnitude becomes level +-127 exactly, every value is within half a
+    step of its level, and a block too small for a normal float32 step is zeros."""
+    levels, step = cpu_quantized.quantize_activation_blocks(weight)
+    blocks, levels = (
+        weight.reshape(weight.shape[0], -1, 32),
+        levels.reshape(weight.shape[0], -1, 32),
+    )
+    largest = blocks.abs().amax(dim=-1)
+    normal = largest >= torch.finfo(torch.float32).tiny
+    assert bool((levels[normal].abs().amax(dim=-1) == 127).all())
+    assert bool((levels[~normal] == 0).all()) and bool((step[~normal] == 0).all())
+    error = (levels.double() * step.double()[..., None] - blocks.double()).abs()[normal]
+    assert bool((error <= step.double()[normal][..., None] * (0.5 + 1e-6)).all())
+
+
 def test_packing_is_q4_1s_nibble_order():
     """Low nibbles hold a block's first 16 weights, high nibbles the next 16: packing then
     reading the bytes as a GGUF Q4_1 block gives the same integers back."""
@@ -174,5 +215,9 @@ def test_bad_calls_raise():
     q8, scale8 = quantize_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="float32"):
         kernels.int8_gemv(out, x, q8, scale8.double())
+    with pytest.raises(RuntimeError, match="at most"):
+        kernels.w4a8_gemv(torch.empty(9, 8), torch.randn(9, 64), packed, scale, minimum)
+    with pytest.raises(RuntimeError, match="x must be"):
+        kernels.w8a8_gemv(out, torch.randn(2, 32), q8, scale8)
     with pytest.raises(ValueError, match="whole blocks"):
         cpu_quantized.pack_int4_blocks(torch.zeros(2, 48, dtype=torch.uint8))

@@ -39,14 +39,34 @@ def pack_int4_blocks(q: torch.Tensor) -> torch.Tensor:
     return (halves[:, :, 0] | halves[:, :, 1] << 4).reshape(rows, columns // 2)
 
 
+def quantize_activation_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 activations of the W4A8/W8A8 products, written out: each block of 32 values
+    of a row as int8 levels xq [M, K] and one step per block [M, K / 32], x ~ xq * step,
+    step = max|x| / 127; a block whose largest magnitude is below the smallest normal float32
+    is all zeros with step 0."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    largest = blocks.abs().amax(dim=-1, keepdim=True)
+    normal = largest >= torch.finfo(torch.float32).tiny
+    levels = torch.round(blocks * torch.where(normal, 127.0 / largest, 0.0))
+    step = torch.where(normal, largest / 127.0, 0.0)
+    return levels.to(torch.int8).reshape(x.shape), step.squeeze(-1)
+
+
 def int4_linear(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    minimum: torch.Tensor,
+    int8_activations: bool = False,
 ) -> torch.Tensor:
-    """x [M, K] @ w.T for the int4 weight (packed, scale, minimum): [M, N] in x's dtype."""
+    """x [M, K] @ w.T for the int4 weight (packed, scale, minimum): [M, N] in x's dtype. With
+    `int8_activations`, a few rows are quantized to int8 blocks first (W4A8, llama.cpp's Q4_1 x
+    Q8_1); the tiled product of many rows keeps them as they are."""
     kernels = torch.ops.minivllm_cpu
     if x.shape[0] <= GEMV_MAX_ROWS:
         out = x.new_empty(x.shape[0], packed.shape[0])
-        kernels.int4_gemv(out, x.contiguous(), packed, scale, minimum)
+        gemv = kernels.w4a8_gemv if int8_activations else kernels.int4_gemv
+        gemv(out, x.contiguous(), packed, scale, minimum)
         return out
     return tiled_linear(
         x,
@@ -55,12 +75,16 @@ def int4_linear(
     )
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ w.T for the int8 weight (q, scale [N] float32): [M, N] in x's dtype."""
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, int8_activations: bool = False
+) -> torch.Tensor:
+    """x [M, K] @ w.T for the int8 weight (q, scale [N] float32): [M, N] in x's dtype; with
+    `int8_activations`, W8A8 for a few rows (see `int4_linear`)."""
     kernels = torch.ops.minivllm_cpu
     if x.shape[0] <= GEMV_MAX_ROWS:
         out = x.new_empty(x.shape[0], q.shape[0])
-        kernels.int8_gemv(out, x.contiguous(), q, scale)
+        gemv = kernels.w8a8_gemv if int8_activations else kernels.int8_gemv
+        gemv(out, x.contiguous(), q, scale)
         return out
     return tiled_linear(
         x, q.shape[0], lambda tile, begin: kernels.int8_dequantize(tile, q, scale, begin)
