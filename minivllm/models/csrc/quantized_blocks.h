@@ -138,6 +138,26 @@ inline Int8Weight int8_weight(const at::Tensor& q, const at::Tensor& scale) {
   AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
 
+// An operator's checked weight and activations, handed to `product(weight)`: an int4 weight
+// with its scales' dtype resolved, or an int8 weight.
+template <typename Product>
+inline void with_int4_weight(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                             const at::Tensor& scale, const at::Tensor& minimum, Product&& product) {
+  DISPATCH_SCALE_TYPES(scale.scalar_type(), "int4 product", [&] {
+    const auto weight = int4_weight<scalar_t>(packed, scale, minimum);
+    check_activations(out, x, packed.size(0), weight.k);
+    product(weight);
+  });
+}
+
+template <typename Product>
+inline void with_int8_weight(const at::Tensor& out, const at::Tensor& x, const at::Tensor& q,
+                             const at::Tensor& scale, Product&& product) {
+  const Int8Weight weight = int8_weight(q, scale);
+  check_activations(out, x, q.size(0), q.size(1));
+  product(weight);
+}
+
 // Call f with the row count as a compile-time constant (1..kMaxGemvRows), so that a product's
 // per-row accumulators are an array the compiler can keep in registers.
 template <int64_t Rows = kMaxGemvRows, typename F>

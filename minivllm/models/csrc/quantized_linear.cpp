@@ -100,17 +100,11 @@ void gemv(at::Tensor& out, const at::Tensor& x, const Weight& weight, int64_t n)
 
 void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                const at::Tensor& minimum) {
-  DISPATCH_SCALE_TYPES(scale.scalar_type(), "int4_gemv", [&] {
-    const auto weight = int4_weight<scalar_t>(packed, scale, minimum);
-    check_activations(out, x, packed.size(0), weight.k);
-    gemv(out, x, weight, packed.size(0));
-  });
+  with_int4_weight(out, x, packed, scale, minimum, [&](const auto& weight) { gemv(out, x, weight, packed.size(0)); });
 }
 
 void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-  const Int8Weight weight = int8_weight(q, scale);
-  check_activations(out, x, q.size(0), q.size(1));
-  gemv(out, x, weight, q.size(0));
+  with_int8_weight(out, x, q, scale, [&](const auto& weight) { gemv(out, x, weight, q.size(0)); });
 }
 
 // Rows [row_begin, row_begin + out.size(0)) of the float weight, in out's dtype: a tile that a

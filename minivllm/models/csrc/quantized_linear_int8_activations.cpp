@@ -136,17 +136,11 @@ void integer_gemv(at::Tensor& out, const at::Tensor& x, const Weight& weight, in
 
 void w4a8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                const at::Tensor& minimum) {
-  DISPATCH_SCALE_TYPES(scale.scalar_type(), "w4a8_gemv", [&] {
-    const auto weight = int4_weight<scalar_t>(packed, scale, minimum);
-    check_activations(out, x, packed.size(0), weight.k);
-    integer_gemv(out, x, weight, packed.size(0));
-  });
+  with_int4_weight(out, x, packed, scale, minimum, [&](const auto& weight) { integer_gemv(out, x, weight, packed.size(0)); });
 }
 
 void w8a8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
-  const Int8Weight weight = int8_weight(q, scale);
-  check_activations(out, x, q.size(0), q.size(1));
-  integer_gemv(out, x, weight, q.size(0));
+  with_int8_weight(out, x, q, scale, [&](const auto& weight) { integer_gemv(out, x, weight, q.size(0)); });
 }
 
 }  // namespace
