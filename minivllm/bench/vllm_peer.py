@@ -55,8 +55,15 @@ def main():
         prompts = [{{"prompt_token_ids": p}} for p in command["prompts"]]
         if command.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        answer(token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+        if not command.get("profile"):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            answer(token_ids=[list(o.outputs[0].token_ids) for o in outputs])
+            continue
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        self_seconds = {{e.key: e.self_cpu_time_total / 1e6 for e in profiler.key_averages()}}
+        answer(token_ids=[list(o.outputs[0].token_ids) for o in outputs], self_seconds=self_seconds)
 
 if __name__ == "__main__":
     main()
@@ -130,14 +137,22 @@ class VLLMPeer:
         self, prompts: list[list[int]], output_lengths: list[int], reset_prefix_cache: bool
     ) -> list[list[int]]:
         """Greedy tokens of each prompt, exactly its output length (EOS ignored)."""
+        return self._generate(prompts, output_lengths, reset_prefix_cache)["token_ids"]
+
+    def profile(self, prompts: list[list[int]], output_lengths: list[int]) -> dict[str, float]:
+        """`generate` under torch.profiler in the peer: self CPU seconds of every operator."""
+        return self._generate(prompts, output_lengths, True, profile=True)["self_seconds"]
+
+    def _generate(self, prompts, output_lengths, reset_prefix_cache, profile=False) -> dict:
         self._send(
             dict(
                 prompts=prompts,
                 output_lengths=output_lengths,
                 reset_prefix_cache=reset_prefix_cache,
+                profile=profile,
             )
         )
-        return self._receive()["token_ids"]
+        return self._receive()
 
     def close(self) -> None:
         if self.process.poll() is None:
