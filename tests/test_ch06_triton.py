@@ -292,8 +292,8 @@ def test_split_counts_are_the_few_that_warm_up_compiles(num_seqs, num_kv_heads, 
 
 
 def test_warm_up_launches_every_kernel_a_step_can_need(monkeypatch):
-    """On a GPU, warm_up launches the store, the prefill, and the decode (with its combine) at
-    every split count, so Triton compiles them before serving. Here the launches are recorded
+    """On a GPU, warm_up launches the store, the prefill (odd and even tile counts), and the
+    decode (with its combine) at every split count, so Triton compiles them before serving. Here the launches are recorded
     instead of run (the interpreter compiles nothing, and warm_up skips itself under it)."""
     launched = []
     monkeypatch.setattr(triton_paged, "interpreting", lambda: False)
@@ -311,4 +311,6 @@ def test_warm_up_launches_every_kernel_a_step_can_need(monkeypatch):
     triton_paged.TritonPagedAttention.warm_up(pool, 4, max_num_seqs=8, max_num_tokens=64)
     decodes = [entry[1] for entry in launched if isinstance(entry, tuple)]
     assert decodes == list(triton_paged.SPLIT_COUNTS)
-    assert launched.count("store") == 1 and launched.count("prefill") == 1
+    # The prefill twice: for an odd and an even number of query tiles (the tile starts' two
+    # alignments).
+    assert launched.count("store") == 1 and launched.count("prefill") == 2

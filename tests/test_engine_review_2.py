@@ -5,8 +5,13 @@ models in one process, and the width of the CUDA-graph inputs."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
@@ -198,3 +203,32 @@ def settle(llm: AsyncLLM) -> None:
         assert time.monotonic() < deadline, "requests never finished"
         time.sleep(0.01)
     llm.call_engine(assert_pool_is_empty)
+
+
+# --- chapter 06: the Triton kernels warm-up compiles are the ones steps launch --------------
+
+
+def test_warm_up_compiles_every_triton_kernel_a_step_launches():
+    """Specializations as Triton's own binder for an sm_90 GPU names them (in a child process
+    with Triton's compiler, not its interpreter; nothing runs): every kernel of a real step,
+    decodes of tables 1, 3, 16 and 17 blocks wide, prompt chunks cut into odd and even numbers
+    of query tiles, is one `warm_up` compiled, so no step stops for a compile."""
+    script = Path(__file__).with_name("triton_specializations.py")
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run(
+        [sys.executable, str(script)], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout.splitlines()[-1])
+    warmed_up = {(name, tuple(key)) for name, key in report["warm_up"]}
+    launched = set()
+    for label, keys in report["steps"].items():
+        missing = [name for name, key in keys if (name, tuple(key)) not in warmed_up]
+        assert not missing, f"{label}: {missing} compiled mid-serving"
+        launched |= {name for name, _ in keys}
+    assert launched == {
+        "_store_kv_kernel",
+        "_decode_kernel",
+        "_combine_splits_kernel",
+        "_prefill_kernel",
+    }

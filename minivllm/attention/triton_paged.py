@@ -155,7 +155,10 @@ def _attend_tile(
     return new_max, running_sum, acc
 
 
-@triton.jit
+# Triton compiles a kernel for each kind of integer argument it meets: 1 (made a constant), a
+# multiple of 16, any other. A block table's row stride is the width of the step's widest table,
+# any of the three; not specialized on, it is one kernel for every step, the one `warm_up` built.
+@triton.jit(do_not_specialize=["block_table_stride"])
 def _decode_kernel(
     q_ptr,  # [seqs, heads, head_dim]: the decode tokens' queries
     k_cache_ptr,  # the layer's pool halves, [slots, kv_heads, head_dim]
@@ -362,7 +365,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 # --- 3. prefill and mixed batches: variable-length query tiles ---
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block_table_stride"])  # as the decode kernel's
 def _prefill_kernel(
     q_ptr,  # [tokens, heads, head_dim]: every new token of the step
     out_ptr,  # [tokens, heads, head_dim]
@@ -513,7 +516,11 @@ class TritonPagedAttention(PagedAttentionBackend):
         prefill, and the decode kernel with its combine for each of SPLIT_COUNTS. Otherwise the
         first step with a new split count stops every running request while Triton compiles
         (about a second a kernel). Each launch is one token over block 0, which it only reads
-        (its store slot is -1: padding, nothing written). The interpreter compiles nothing."""
+        (its store slot is -1: padding, nothing written). The interpreter compiles nothing.
+
+        Triton also compiles a kernel for each alignment of a pointer: 16 bytes or not. The
+        prefill's tile starts are row 1 of the step's `[2, tiles]` table, 16-byte aligned when
+        the number of tiles is even, so both an odd and an even number are warmed up."""
         if interpreting():
             return
         layer = kv_cache.layers[0]
@@ -528,8 +535,9 @@ class TritonPagedAttention(PagedAttentionBackend):
         one_token = AttentionMetadata.build([1], [1], [[0]], [-1], device=device)
         for num_splits in SPLIT_COUNTS:
             paged_decode_attention(q, layer, one_token.block_tables, one_token.seq_lens, num_splits)
-        tiles = torch.zeros(2, 1, dtype=torch.long, device=device)  # sequence 0, token 0
-        paged_prefill_attention(q, layer, one_token, tiles)
+        for num_tiles in (1, 2):  # every tile: sequence 0, token 0
+            tiles = torch.zeros(2, num_tiles, dtype=torch.long, device=device)
+            paged_prefill_attention(q, layer, one_token, tiles)
 
     def __init__(self, kv_cache: PagedKVCache, metadata: AttentionMetadata):
         super().__init__(kv_cache, metadata)
