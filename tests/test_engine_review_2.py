@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
 
 from minivllm import SamplingParams
-from minivllm.config import EngineConfig
+from minivllm.attention import flex_paged
+from minivllm.config import EngineConfig, resolve_dtype
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core_client import MPClient
 from minivllm.engine.processor import Processor
@@ -232,3 +234,36 @@ def test_warm_up_compiles_every_triton_kernel_a_step_launches():
         "_combine_splits_kernel",
         "_prefill_kernel",
     }
+
+
+# --- chapter 06: the flex backend's start-up probe runs what the engine would ----------------
+
+
+def test_the_flex_probe_uses_a_block_size_the_engine_takes_on_a_gpu(monkeypatch):
+    """The probe's KV blocks are ones the engine accepts on CUDA (a block of 4 tokens is a
+    kernel tile no GPU compiles, so a probe with them would always fall back to the torch
+    backend there), in the dtype the engine runs in by default. The calls are recorded, not run."""
+    probed = []
+
+    def record(q, kv, calls):
+        probed.append((q.dtype, kv.dtype, kv.shape[2]))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(flex_paged, "flex_paged_attention", record)
+    assert flex_paged.flex_compiles.__wrapped__("cpu")  # the probe itself, not its cached answer
+    assert len(probed) == 2  # a decode and a prompt chunk
+    engine_dtype = resolve_dtype("auto", torch.device("cpu"))
+    for q_dtype, kv_dtype, block_size in probed:
+        flex_paged.check_block_size(block_size, torch.device("cuda"))  # raises if refused
+        assert q_dtype == kv_dtype == engine_dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_flex_backend_is_chosen_on_a_gpu():
+    """On CUDA the probe compiles, so attention_backend="flex" runs flex, not the fallback."""
+    assert flex_paged.flex_compiles.__wrapped__("cuda")  # the probe itself, not a cached answer
+    assert (
+        flex_paged.FlexPagedAttention.for_device(torch.device("cuda"))
+        is flex_paged.FlexPagedAttention
+    )

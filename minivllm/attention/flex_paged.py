@@ -43,6 +43,7 @@ from minivllm.attention.backend import (
     query_starts,
 )
 from minivllm.attention.torch_paged import TorchPagedAttention, write_kv
+from minivllm.config import resolve_dtype
 from minivllm.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ PREFILL_QUERY_TILE = 64
 # would fail at the first decode. The CPU kernel takes any tile; the same rule runs there.
 SMALLEST_QUERY_TILE = 16
 
+
+# The smallest KV block flex takes on a GPU: a block is one tile of keys of inductor's kernel,
+# which multiplies the probabilities of a tile by its values with `tl.dot`, whose inner side
+# must be at least 16 for 16-bit types (8 for float32).
+SMALLEST_GPU_BLOCK_SIZE = 16
 
 # Dynamo compiles once per shape it meets (PyTorch 2.13's CPU code generator fails on dynamic
 # flex shapes), so shapes are padded to powers of two: a handful of kernels cover every step.
@@ -412,11 +418,12 @@ def flex_paged_attention(q: torch.Tensor, kv: torch.Tensor, calls: list[FlexCall
 
 def check_block_size(block_size: int, device: torch.device) -> None:
     """On a GPU a KV block is one tile of keys of inductor's kernel (`kernel_options`): a
-    power of two, at least 16 (the shortest side `tl.dot` takes)."""
-    if device.type == "cuda" and (block_size < 16 or block_size & (block_size - 1)):
+    power of two, at least SMALLEST_GPU_BLOCK_SIZE."""
+    too_small = block_size < SMALLEST_GPU_BLOCK_SIZE
+    if device.type == "cuda" and (too_small or block_size & (block_size - 1)):
         raise ValueError(
-            f"attention_backend='flex' on a GPU needs block_size a power of two, at least 16 "
-            f"(a KV block is one tile of its kernel), got {block_size}"
+            f"attention_backend='flex' on a GPU needs block_size a power of two, at least "
+            f"{SMALLEST_GPU_BLOCK_SIZE} (a KV block is one tile of its kernel), got {block_size}"
         )
 
 
@@ -425,18 +432,23 @@ def flex_compiles(device_type: str) -> bool:
     """Try once per process: does flex_attention compile and run on this device type, for both
     kinds of call a step makes (a decode batch, and a prompt chunk after cached tokens, whose
     block mask has query tiles of PREFILL_QUERY_TILE rows: a kernel that only fails there must
-    fail here, not at the first long prompt)?"""
-    block_size, group = 4, 2
+    fail here, not at the first long prompt)? It runs as the engine would by default there:
+    blocks of SMALLEST_GPU_BLOCK_SIZE tokens (the engine's default block size, and a kernel
+    tile a GPU compiles; a smaller one would fail where the engine never goes) in the device's
+    "auto" dtype."""
+    block_size, group = SMALLEST_GPU_BLOCK_SIZE, 2
+    device = torch.device(device_type)
+    dtype = resolve_dtype("auto", device)
     try:
         for query_len, seq_len in ((1, 3), (PREFILL_QUERY_TILE // group + 3, PREFILL_QUERY_TILE)):
             num_blocks = cdiv(seq_len, block_size)
-            pool = torch.zeros(2, num_blocks, block_size, 1, 16, device=device_type)
+            pool = torch.zeros(2, num_blocks, block_size, 1, 16, dtype=dtype, device=device)
             slots = list(range(seq_len - query_len, seq_len))  # blocks 0, 1, ... in order
             metadata = AttentionMetadata.build(
-                [query_len], [seq_len], [list(range(num_blocks))], slots, device=device_type
+                [query_len], [seq_len], [list(range(num_blocks))], slots, device=device
             )
             call = build_call(metadata, [0], num_blocks, block_size, group)
-            q = torch.randn(query_len, group, 16, device=device_type)
+            q = torch.randn(query_len, group, 16, dtype=dtype, device=device)
             flex_paged_attention(q, pool, [call])
         return True
     except Exception as error:  # noqa: BLE001 -- any failure means "flex cannot run here"
