@@ -5,6 +5,7 @@ models in one process, and the width of the CUDA-graph inputs."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import subprocess
@@ -19,10 +20,12 @@ from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
 
 from minivllm import SamplingParams
 from minivllm.attention import flex_paged
-from minivllm.config import EngineConfig, resolve_dtype
+from minivllm.compilation.compiled_model import CompiledModel
+from minivllm.config import EngineConfig, ModelConfig, resolve_dtype
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core_client import MPClient
 from minivllm.engine.processor import Processor
+from minivllm.models.llama import LlamaForCausalLM
 from minivllm.outputs import CompletionOutput, RequestOutput
 
 HANG_GUARD_S = 60  # a wait that ends long before this, unless something hangs
@@ -267,3 +270,42 @@ def test_the_flex_backend_is_chosen_on_a_gpu():
         flex_paged.FlexPagedAttention.for_device(torch.device("cuda"))
         is flex_paged.FlexPagedAttention
     )
+
+
+# --- chapter 11: every compiled model has its own graphs ------------------------------------
+
+
+class EchoAttention:
+    """Attention that returns the queries (only the graphs matter here)."""
+
+    def __call__(self, layer_index, q, k, v):
+        return q.clone()  # a custom op may not return its input
+
+
+def tiny_llama(num_layers: int) -> LlamaForCausalLM:
+    config = ModelConfig(
+        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+        num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        max_position_embeddings=256, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(num_layers)
+    model = LlamaForCausalLM(config)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter.data, std=0.02)
+    return model.requires_grad_(False).eval()
+
+
+def test_ten_compiled_models_of_different_shapes_compile_in_one_process(monkeypatch):
+    """Ten models of 1 to 10 layers, each compiled (two or three graphs apiece) in one
+    process, all compile (dynamo's "eager" backend: its tracing and guards, no code
+    generation) and each gives its eager model's hidden states."""
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    input_ids, positions = torch.tensor([3, 1, 4, 1, 5]), torch.arange(5)
+    for num_layers in range(1, 11):
+        model = tiny_llama(num_layers)
+        compiled = CompiledModel(model)
+        compiled.compile(lambda num_tokens: EchoAttention())
+        with torch.inference_mode():
+            expected = model(input_ids, positions, EchoAttention())
+            actual = compiled(input_ids, positions, EchoAttention())
+        torch.testing.assert_close(actual, expected)

@@ -29,6 +29,7 @@ this; False, the default as in vLLM, compiles at start (and on a GPU records CUD
 from __future__ import annotations
 
 import time
+import types
 
 import torch
 from tqdm.auto import tqdm
@@ -39,7 +40,9 @@ from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.quantization import INT8_FUSED_MAX_ROWS
 
 # Dynamo keeps one compiled graph per shape family it meets (batch-1, any other count, the
-# layer-skip draft's shorter model, ...) and falls back to eager past this many.
+# layer-skip draft's shorter model, ...), at most this many per model (each CompiledModel
+# compiles a function of its own, see `own_function`). Past it, with fullgraph=True, the call
+# raises rather than running eagerly.
 MAX_COMPILED_GRAPHS = 16
 
 
@@ -56,7 +59,9 @@ class CompiledModel:
     def __init__(self, model: LlamaForCausalLM):
         self.model = model
         self.config = model.config
-        self._forward = torch.compile(self._eager_forward, dynamic=None, fullgraph=True)
+        self._forward = torch.compile(
+            own_function(self._eager_forward), dynamic=None, fullgraph=True
+        )
         self.compile_seconds = 0.0
 
     def _eager_forward(
@@ -101,3 +106,20 @@ class CompiledModel:
                 self(input_ids, positions, make_attention(num_tokens), num_layers)
         self.compile_seconds += time.perf_counter() - start
         return self.compile_seconds
+
+
+def own_function(method: types.MethodType) -> types.MethodType:
+    """`method` bound to a copy of its function with a code object of its own. Dynamo keeps
+    its compiled graphs, and counts them against the recompile limit, on the code object: with
+    the class's one `_eager_forward`, every CompiledModel of the process would share one count,
+    and a process that built a few engines (or models of different shapes) would reach
+    MAX_COMPILED_GRAPHS. A copy's graphs are its model's alone, and go when it goes."""
+    function = method.__func__
+    copy = types.FunctionType(
+        function.__code__.replace(),  # an equal code object, but another one
+        function.__globals__,
+        function.__name__,
+        function.__defaults__,
+        function.__closure__,
+    )
+    return types.MethodType(copy, method.__self__)
