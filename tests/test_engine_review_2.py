@@ -17,16 +17,22 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from minivllm import SamplingParams
+from minivllm import LLM, SamplingParams
 from minivllm.attention import flex_paged
 from minivllm.compilation.compiled_model import CompiledModel
+from minivllm.compilation.cuda_graphs import CUDAGraphRunner, GraphInputs, bucket_for
 from minivllm.config import EngineConfig, ModelConfig, resolve_dtype
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core_client import MPClient
 from minivllm.engine.processor import Processor
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.utils import cdiv
+from minivllm.worker.worker import Worker
 
 HANG_GUARD_S = 60  # a wait that ends long before this, unless something hangs
 
@@ -309,3 +315,89 @@ def test_ten_compiled_models_of_different_shapes_compile_in_one_process(monkeypa
             expected = model(input_ids, positions, EchoAttention())
             actual = compiled(input_ids, positions, EchoAttention())
         torch.testing.assert_close(actual, expected)
+
+
+# --- chapter 11: the CUDA-graph inputs are as wide as the engine's context, filled in part ---
+
+
+def test_the_graph_block_tables_are_as_wide_as_the_engines_longest_sequence(
+    tiny_model_dirs, monkeypatch
+):
+    """The graphs' block-table buffer holds the engine's longest sequence (here its
+    max_model_len of 100 tokens, 7 blocks), not the model's whole context (1024 tokens). The
+    path runs on the CPU with the recording left out (it needs a GPU)."""
+    monkeypatch.setattr(Worker, "uses_cuda_graphs", property(lambda worker: True))
+    monkeypatch.setattr(CUDAGraphRunner, "capture", lambda runner: None)
+    llm = LLM(
+        model=str(tiny_model_dirs[ENGINE_TEST_FAMILY]),
+        device="cpu",
+        dtype="float32",
+        block_size=16,
+        max_model_len=100,
+        kv_cache_memory_bytes=8 << 20,
+    )
+    engine = llm.llm_engine
+    inputs = engine.executor.driver_worker.model_runner.cuda_graphs.inputs
+    assert engine.model_config.max_model_len == 1024 and engine.max_model_len == 100
+    assert inputs.block_tables.shape[1] == cdiv(engine.max_model_len, 16)
+
+
+class CountElements(TorchDispatchMode):
+    """Counts the elements that tensor operations make or write (views are free)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and isinstance(out, torch.Tensor):
+            self.count += out.numel()
+        return out
+
+
+def decode_step(tables: list[list[int]]) -> tuple[list[int], ...]:
+    """`GraphInputs.fill`'s lists for decodes with these block tables (block size 16)."""
+    num_tokens = [16 * len(table) - 3 for table in tables]
+    slots = [16 * table[-1] + 12 for table in tables]
+    return [1] * len(tables), [n - 1 for n in num_tokens], slots, num_tokens, tables
+
+
+def elements_a_fill_handles(width: int) -> int:
+    inputs = GraphInputs.allocate(16, width, padding_block=999, device="cpu")
+    tables = [list(range(10 * i, 10 * i + 5)) for i in range(6)]
+    inputs.fill(*decode_step(tables), size=8, block_size=16)
+    tables[2] = tables[2] + [500]  # the next step: one table grew by a block
+    with CountElements() as counted:
+        inputs.fill(*decode_step(tables), size=8, block_size=16)
+    return counted.count
+
+
+def test_a_graph_step_fill_handles_the_columns_in_use_not_the_whole_width():
+    """A decode step's fill does the same work whether the buffer holds 64 or 4096 blocks a
+    row: what it makes and writes is the step's rows up to its widest table (six blocks) and
+    the block that is new, never a row as wide as the model's context."""
+    narrow, wide = elements_a_fill_handles(64), elements_a_fill_handles(4096)
+    assert narrow == wide
+    assert wide < 8 * 64  # less than one copy of the step's rows at the narrow width
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    steps=st.lists(
+        st.lists(st.lists(st.integers(0, 50), min_size=1, max_size=12), min_size=1, max_size=8),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_what_a_graph_step_reads_of_the_block_tables_is_its_own(steps):
+    """Steps one after another (tables that grow, shrink, change rows, buckets of 1 to 8): in
+    the buffer, each real row begins with its table and each padding row with the padding
+    block, which is all the decode kernel reads of them."""
+    inputs = GraphInputs.allocate(8, 12, padding_block=99, device="cpu")
+    for tables in steps:
+        size = bucket_for(len(tables), [1, 2, 4, 8])
+        inputs.fill(*decode_step(tables), size=size, block_size=16)
+        for row, table in enumerate(tables):
+            assert inputs.block_tables[row, : len(table)].tolist() == table
+        assert inputs.block_tables[len(tables) : size, 0].tolist() == [99] * (size - len(tables))

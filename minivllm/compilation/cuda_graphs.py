@@ -12,7 +12,9 @@ A recording is only good for the addresses and sizes it saw, so, as vLLM does:
   its extra rows padding.
 - **Persistent inputs** (`GraphInputs`). Token ids, positions, slots, sequence lengths and block
   tables live in buffers allocated once; each step copies its values into them before the
-  replay, and the recorded kernels read them in place.
+  replay, and the recorded kernels read them in place. The block tables are as wide as the
+  engine's longest context; a step writes only the blocks that changed and copies only the
+  columns its tables reach.
 - **Padding that harms nothing.** A padding row is a sequence of one token whose K/V go to a
   block no request ever owns (the pool's last block, kept out of the scheduler's pool).
 - **Decode only.** A step with a prompt chunk (or drafts to verify) has shapes no bucket holds
@@ -57,21 +59,35 @@ class GraphInputs:
     seq_lens: torch.Tensor  # [max_size]
     block_tables: torch.Tensor  # [max_size, max_blocks_per_seq]
     padding_block: int  # the pool block that padding rows write to and read
+    # The block tables as the CPU writes them, kept from step to step (pinned with a GPU, so
+    # they cross without the CPU waiting), and the table each row of them begins with.
+    host_block_tables: torch.Tensor
+    row_tables: list[list[int]]
 
     @classmethod
     def allocate(
         cls, max_size: int, max_blocks_per_seq: int, padding_block: int, device: torch.device
     ) -> GraphInputs:
+        device = torch.device(device)
+
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
+
+        def padding_tables(where: torch.device, pin_memory: bool = False) -> torch.Tensor:
+            shape = (max_size, max_blocks_per_seq)
+            return torch.full(
+                shape, padding_block, dtype=torch.long, device=where, pin_memory=pin_memory
+            )
 
         return cls(
             zeros(max_size),
             zeros(max_size),
             zeros(max_size),
             zeros(max_size),
-            zeros(max_size, max_blocks_per_seq),
+            padding_tables(device),
             padding_block,
+            padding_tables(torch.device("cpu"), pin_memory=device.type == "cuda"),
+            [[] for _ in range(max_size)],
         )
 
     def metadata(self, size: int, block_size: int) -> AttentionMetadata:
@@ -101,11 +117,17 @@ class GraphInputs:
         block_size: int,
     ) -> None:
         """Copy one decode step (a row per sequence) into the first rows, and make rows
-        len(input_ids)..size-1 padding: one token at the padding block's first slot."""
+        len(input_ids)..size-1 padding: one token at the padding block's first slot.
+
+        The buffer's block tables are as wide as the longest context, thousands of columns for
+        a long-context model, and a step's tables are mostly the last step's. So only what
+        changed is written, into the CPU's tables (`_write_row`), and only the columns up to
+        the step's widest table are copied over. Columns past a row's own blocks may still
+        hold what the row held before: the decode kernel reads a table no further than its
+        sequence's last block."""
         num_real = len(input_ids)
         padding = size - num_real
         device = self.input_ids.device
-        width = self.block_tables.shape[1]
 
         def put(buffer: torch.Tensor, values: list[int], pad: int) -> None:
             row = torch.tensor(values + [pad] * padding, dtype=torch.long)
@@ -115,9 +137,26 @@ class GraphInputs:
         put(self.positions, positions, 0)
         put(self.slot_mapping, slot_mapping, self.padding_block * block_size)
         put(self.seq_lens, seq_lens, 1)
-        tables = [table + [self.padding_block] * (width - len(table)) for table in block_tables]
-        tables += [[self.padding_block] * width] * padding
-        self.block_tables[:size].copy_(torch.tensor(tables, dtype=torch.long).to(device))
+        tables = block_tables + [[self.padding_block]] * padding
+        for row, table in enumerate(tables):
+            self._write_row(row, table)
+        columns = max(len(table) for table in tables)
+        # Not waiting for the copy is safe: the replay after it is queued on the same stream,
+        # and the CPU writes these rows again only after the step's sampled tokens have come
+        # back, which waits for the stream.
+        self.block_tables[:size, :columns].copy_(
+            self.host_block_tables[:size, :columns], non_blocking=True
+        )
+
+    def _write_row(self, row: int, table: list[int]) -> None:
+        """Make row `row` of the CPU's tables begin with `table`: nothing to write when it is
+        the table the row holds, only the new blocks when that table grew."""
+        held = self.row_tables[row]
+        kept = len(held) if table[: len(held)] == held else 0
+        if kept < len(table):
+            new_blocks = torch.tensor(table[kept:], dtype=torch.long)
+            self.host_block_tables[row, kept : len(table)] = new_blocks
+        self.row_tables[row] = list(table)
 
 
 Forward = Callable[[torch.Tensor, torch.Tensor, PagedAttentionBackend], torch.Tensor]

@@ -34,6 +34,7 @@ from minivllm.executor.multiproc import MultiprocExecutor
 from minivllm.models.loader import load_model_config, load_tokenizer, resolve_model_path
 from minivllm.outputs import ModelRunnerOutput, RequestOutput
 from minivllm.sample.sampling_params import SamplingParams
+from minivllm.worker.worker import engine_max_model_len
 
 
 @dataclass
@@ -65,15 +66,9 @@ class LLMEngine:
         self.kv_cache_manager = KVCacheManager(
             num_blocks, config.block_size, config.enable_prefix_caching
         )
-        # A sequence must fit in the context *and* in the pool on its own; otherwise it could
-        # preempt everybody and still not run.
-        self.max_model_len = min(self.model_config.max_model_len, num_blocks * config.block_size)
-        if config.max_model_len is not None:
-            self.max_model_len = min(self.max_model_len, config.max_model_len)
-        if not config.enable_chunked_prefill:
-            # Without chunking a prompt (or a preempted sequence) is computed in one step, so it
-            # must fit in one step's token budget.
-            self.max_model_len = min(self.max_model_len, config.max_num_batched_tokens)
+        self.max_model_len = engine_max_model_len(
+            config, self.model_config.max_model_len, num_blocks
+        )
 
         self.scheduler = Scheduler(
             SchedulerConfig(

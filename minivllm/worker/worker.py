@@ -63,6 +63,20 @@ def kv_cache_budget(
     return int(total * utilization) - torch_peak - outside_torch
 
 
+def engine_max_model_len(config: EngineConfig, model_max_model_len: int, num_blocks: int) -> int:
+    """The longest sequence the engine serves with a pool of `num_blocks` blocks. A sequence
+    must fit in the context *and* in the pool on its own; otherwise it could preempt everybody
+    and still not run."""
+    max_model_len = min(model_max_model_len, num_blocks * config.block_size)
+    if config.max_model_len is not None:
+        max_model_len = min(max_model_len, config.max_model_len)
+    if not config.enable_chunked_prefill:
+        # Without chunking a prompt (or a preempted sequence) is computed in one step, so it
+        # must fit in one step's token budget.
+        max_model_len = min(max_model_len, config.max_num_batched_tokens)
+    return max_model_len
+
+
 def bind_to_device(device: torch.device) -> None:
     """Make `device` this process's current CUDA device. Tensors go where `device` says, but a
     Triton kernel launches on the *current* device and an NCCL communicator binds to it: a
@@ -185,10 +199,11 @@ class Worker:
         self.model_runner = ModelRunner(
             self.model, kv_cache, self.attention_backend, sampler, proposer, self._compile()
         )
-        if self.uses_cuda_graphs:
-            self.model_runner.capture_cuda_graphs(
-                self.config.max_num_seqs, self.model.config.max_model_len
+        if self.uses_cuda_graphs:  # block tables as wide as the engine's longest sequence
+            max_model_len = engine_max_model_len(
+                self.config, self.model.config.max_model_len, num_blocks
             )
+            self.model_runner.capture_cuda_graphs(self.config.max_num_seqs, max_model_len)
         if self.device.type == "cpu":
             # Start-up freed what steps never need again (the plain weights once packed, the
             # profiling batch's activations): hand that back, once; steps then keep theirs.
