@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from minivllm import LLM, SamplingParams
 from minivllm.attention import flex_paged
+from minivllm.attention.backend import AttentionMetadata
 from minivllm.compilation.compiled_model import CompiledModel
 from minivllm.compilation.cuda_graphs import CUDAGraphRunner, GraphInputs, bucket_for
 from minivllm.config import EngineConfig, ModelConfig, resolve_dtype
@@ -267,6 +268,37 @@ def test_the_flex_probe_uses_a_block_size_the_engine_takes_on_a_gpu(monkeypatch)
         assert q_dtype == kv_dtype == engine_dtype
 
 
+def per_step_flex_shapes(num_pool_blocks: int) -> dict[str, tuple[int, ...]]:
+    """The shapes of what a decode step of 64 sequences (64 blocks each) makes on the GPU path
+    of the flex backend ("meta" tensors: shapes only, and anything but "cpu" takes that path)."""
+    meta = torch.device("meta")
+    tables = [[(97 * i + j) % num_pool_blocks for j in range(64)] for i in range(64)]
+    slots = [16 * table[-1] for table in tables]
+    metadata = AttentionMetadata.build([1] * 64, [1024] * 64, tables, slots, device=meta)
+    owners = flex_paged.BlockOwnerTable(num_pool_blocks, max_num_seqs=64, device=meta)
+    table = owners.update(metadata, 16)  # made once, at warm-up, and kept
+    call = flex_paged.build_call(metadata, list(range(64)), num_pool_blocks, 16, 3, table)
+    mask = call.block_mask
+    made = {
+        "rows": call.rows,
+        "valid": call.valid,
+        "kv_num_blocks": mask.kv_num_blocks,
+        "kv_indices": mask.kv_indices,
+        "full_kv_num_blocks": mask.full_kv_num_blocks,
+        "full_kv_indices": mask.full_kv_indices,
+    }
+    return {name: tuple(tensor.shape) for name, tensor in made.items()}
+
+
+def test_a_flex_step_on_a_gpu_makes_nothing_as_large_as_the_pool():
+    """On the GPU path a step's block mask lists each sequence's blocks as wide as its widest
+    block table, whatever the pool's size (a GPU pool has hundreds of thousands of blocks): the
+    same step over pools of 1,000 and 440,000 blocks makes tensors of the same shapes."""
+    small, large = per_step_flex_shapes(1_000), per_step_flex_shapes(440_000)
+    assert small == large
+    assert large["kv_indices"] == (64, 1, 1, 64)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_flex_backend_is_chosen_on_a_gpu():
@@ -288,13 +320,14 @@ class EchoAttention:
         return q.clone()  # a custom op may not return its input
 
 
-def tiny_llama(num_layers: int) -> LlamaForCausalLM:
+def tiny_llama(width: int) -> LlamaForCausalLM:
+    """A one-layer Llama whose hidden states are 16 x `width` wide, random weights."""
     config = ModelConfig(
-        model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
-        num_layers=num_layers, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        model_type="llama", vocab_size=256, hidden_size=16 * width, intermediate_size=32,
+        num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8 * width, rms_norm_eps=1e-5,
         max_position_embeddings=256, tie_word_embeddings=True,
     )  # fmt: skip
-    torch.manual_seed(num_layers)
+    torch.manual_seed(width)
     model = LlamaForCausalLM(config)
     for parameter in model.parameters():
         torch.nn.init.normal_(parameter.data, std=0.02)
@@ -302,13 +335,14 @@ def tiny_llama(num_layers: int) -> LlamaForCausalLM:
 
 
 def test_ten_compiled_models_of_different_shapes_compile_in_one_process(monkeypatch):
-    """Ten models of 1 to 10 layers, each compiled (two or three graphs apiece) in one
-    process, all compile (dynamo's "eager" backend: its tracing and guards, no code
-    generation) and each gives its eager model's hidden states."""
+    """Ten models of different widths, each compiled (two graphs apiece: twenty, more than
+    the recompile limit of 16) in one process, all compile (dynamo's "eager" backend: its
+    tracing and guards, no code generation) and each gives its eager model's hidden states.
+    One layer each: tracing costs about a second a graph, whatever the model's size."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
     input_ids, positions = torch.tensor([3, 1, 4, 1, 5]), torch.arange(5)
-    for num_layers in range(1, 11):
-        model = tiny_llama(num_layers)
+    for width in range(1, 11):
+        model = tiny_llama(width)
         compiled = CompiledModel(model)
         compiled.compile(lambda num_tokens: EchoAttention())
         with torch.inference_mode():
