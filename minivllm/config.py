@@ -28,6 +28,28 @@ ATTENTION_BACKEND_NAMES = ("auto", "torch", "triton", "flex", "cpu")
 # `quantization=` values (vLLM's setting, chapter 12: models/quantization.py): int8 and int4
 # quantize the float checkpoint at load; gguf reads the model's 4-bit blocks from its GGUF file.
 QUANTIZATION_METHODS = ("int8", "int4", "gguf")
+# The activation dtypes each scheme has a fast kernel for, by device type (vLLM's
+# `get_supported_act_dtypes`); the first is the one dtype="auto" picks. Read from PyTorch's
+# kernels: on an x86 CPU `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` have vectorized
+# (AVX2, AVX-512) loops for bfloat16 only, and float32 and float16 take a scalar loop, 5 to 20
+# times slower than the float model's product (aten/src/ATen/native/cpu/int8mm_kernel.cpp,
+# int4mm_kernel.cpp); tinygemm's CUDA int4 kernel takes bfloat16 only; CUDA's int8 kernel
+# computes in float32 whatever the activations' dtype (native/cuda/int8mm.cu). An engine refuses
+# any other pair (resolve_dtype); the layers (models/quantization.py) multiply any dtype, by
+# the reference product where no kernel fits, which the tests use as their oracle.
+KERNEL_ACTIVATION_DTYPES = {
+    "cpu": {"int8": (torch.bfloat16,), "int4": (torch.bfloat16,)},
+    "cuda": {"int8": (torch.bfloat16, torch.float16, torch.float32), "int4": (torch.bfloat16,)},
+}
+
+
+def supported_activation_dtypes(method: str, device: torch.device | str) -> tuple[torch.dtype, ...]:
+    """The activation dtypes `method` ("int8", "int4" or "gguf", which runs int4's kernels)
+    has a kernel for on `device`; () where it has none."""
+    scheme = "int4" if method == "gguf" else method
+    return KERNEL_ACTIVATION_DTYPES.get(torch.device(device).type, {}).get(scheme, ())
+
+
 # RoPE variants whose frequencies do not depend on the sequence length, so they can be computed
 # once when the model is built (dynamic NTK scaling would need recomputing per step).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -163,18 +185,35 @@ _DTYPES = {
 }
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    dtype: str | torch.dtype, device: torch.device, quantization: str | None = None
+) -> torch.dtype:
     """ "auto" means float32 on the CPU (exact, and what transformers compares against) and
-    bfloat16 on CUDA (half the memory traffic, no overflow risk)."""
+    bfloat16 on CUDA (half the memory traffic, no overflow risk). With `quantization` (chapter
+    12) the dtype must be one the method has a kernel for on the device, and "auto" picks one:
+    bfloat16 on the CPU, where PyTorch's int8 and int4 kernels are fast for bfloat16 only."""
     if isinstance(dtype, torch.dtype):
-        if dtype in _DTYPES.values():
-            return dtype
-        raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype}")
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in _DTYPES:
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of float32, bfloat16, float16, got {dtype}")
+        resolved = dtype
+    elif dtype == "auto":
+        resolved = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
         raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-    return _DTYPES[dtype]
+    if quantization is None:
+        return resolved
+    supported = supported_activation_dtypes(quantization, device)
+    if dtype == "auto" and supported and resolved not in supported:
+        return supported[0]
+    if resolved not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported) or "none"
+        raise ValueError(
+            f"dtype {str(resolved).removeprefix('torch.')} has no quantization={quantization!r} "
+            f"kernel on {device.type}; supported there: {names}"
+        )
+    return resolved
 
 
 # The KV-cache budget on the CPU when none is given: enough for 64 sequences of ~700 tokens of
@@ -291,7 +330,8 @@ class EngineConfig:
     )
     dtype: str | torch.dtype = setting(
         "auto",
-        "weights and KV cache: auto is float32 on CPU, bfloat16 on CUDA",
+        "weights and KV cache: auto is float32 on CPU (bfloat16 with quantization), bfloat16 on "
+        "CUDA",
         ("auto", "float32", "float", "bfloat16", "float16", "half"),
     )
     device: str | torch.device = setting("auto", "auto (CUDA when present), cpu, cuda or cuda:N")
@@ -380,6 +420,8 @@ class EngineConfig:
             choices, value = item.metadata["choices"], getattr(self, item.name)
             if choices is not None and isinstance(value, str) and value not in choices:
                 reject(item.name, value, f"one of {', '.join(choices)}")
+        if self.quantization is not None:  # refused here, before any weight is loaded
+            resolve_dtype(self.dtype, resolve_device(self.device), self.quantization)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

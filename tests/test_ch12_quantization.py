@@ -25,6 +25,7 @@ import torch
 from conftest import ENGINE_TEST_FAMILY, EOS_TOKEN_ID, hf_generate
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minivllm import LLM, SamplingParams
 from minivllm.models import quantization as q
@@ -109,16 +110,18 @@ def test_int4_levels_span_each_groups_range_in_15_steps(case):
     seed=st.integers(0, 100),
 )
 def test_quantized_products_are_products_with_the_dequantized_weight(case, num_rows, dtype, seed):
-    """Each kernel (CPU int8, CPU int4) against x @ dequantized_weight.T in float64, within
-    the rounding of the activations' dtype."""
+    """Each product (CPU int8 and int4: the kernels in bfloat16, the reference in float32)
+    against x @ dequantized_weight.T in float64, within the rounding of the activations'
+    dtype."""
     weight, group_size = case
     x = torch.randn(num_rows, weight.shape[1], generator=torch.Generator().manual_seed(seed))
     x = x.to(dtype)
     int8 = q.Int8Weight.from_float(weight.to(dtype))
     int4 = q.Int4Weight.from_float(weight.to(dtype), group_size)
-    rows_fit = weight.shape[0] % 16 == 0  # the CPU kernel's packing tiles rows by 16
+    # The CPU kernel's packing tiles rows by 16, and it is fast for bfloat16 only.
+    has_kernel = weight.shape[0] % 16 == 0 and dtype == torch.bfloat16
     assert int4.kernel == (
-        "aten._weight_int4pack_mm_for_cpu" if rows_fit else "dequantize + F.linear (reference)"
+        "aten._weight_int4pack_mm_for_cpu" if has_kernel else "dequantize + F.linear (reference)"
     )
     expected8 = x.double() @ q.dequantize_int8(*q.quantize_int8(weight.to(dtype))).double().T
     expected4 = (
@@ -134,10 +137,13 @@ def test_quantized_products_are_products_with_the_dequantized_weight(case, num_r
 
 
 def test_int4_reference_path_where_no_kernel_fits():
-    """A layout the kernels do not take (float16 on CUDA, or any device without one) falls
-    back to multiplying by the dequantized weight; it is named as such."""
+    """A layout the kernels do not take (float16 on CUDA, float32 on the CPU, a shape the
+    packing does not tile, any device without a kernel) falls back to multiplying by the
+    dequantized weight; it is named as such."""
     layout = q.int4_layout(torch.Size([64, 128]), 32, torch.float16, torch.device("cuda"))
     assert layout.kernel == "reference"
+    assert q.int4_layout(torch.Size([64, 128]), 32, torch.float32, "cpu").kernel == "reference"
+    assert q.int4_layout(torch.Size([64, 128]), 32, torch.bfloat16, "cpu").kernel == "cpu"
     assert q.int4_layout(torch.Size([64, 128]), 32, torch.bfloat16, "cuda").kernel == "cuda"
     assert q.int4_layout(torch.Size([60, 128]), 32, torch.bfloat16, "cuda").kernel == "reference"
 
@@ -296,16 +302,24 @@ def dequantized_hf_model(path, method: str):
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
-def test_a_quantized_engine_computes_the_dequantized_model(tiny_model_dirs, chat_prompts, method):
+def test_a_quantized_engine_computes_the_dequantized_model(
+    tiny_model_dirs, chat_prompts, method, monkeypatch
+):
     """Greedy tokens of LLM(quantization=...) equal transformers' greedy tokens on the model
     whose weights are the dequantized ones (linear layers in the scheme, the embedding in
-    int8), batched, with chunked prefill."""
+    int8), batched, with chunked prefill. Compared in float32, which an engine refuses on the
+    CPU for its speed (PyTorch's kernels take a scalar loop there), so the test admits it."""
+    from minivllm.config import KERNEL_ACTIVATION_DTYPES
+
+    monkeypatch.setitem(KERNEL_ACTIVATION_DTYPES["cpu"], method, (torch.float32,))
     path = tiny_model_dirs[ENGINE_TEST_FAMILY]
     reference = dequantized_hf_model(path, method)
     llm = LLM(
-        model=str(path), quantization=method, max_num_batched_tokens=32, max_num_seqs=4,
-        kv_cache_memory_bytes=2**22,
+        model=str(path), dtype="float32", quantization=method, max_num_batched_tokens=32,
+        max_num_seqs=4, kv_cache_memory_bytes=2**22,
     )  # fmt: skip
+    layers = llm.llm_engine.executor.driver_worker.model.model.layers
+    assert layers[0].mlp.down_proj.quantized.kernel.startswith("aten._weight_int")
     params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[EOS_TOKEN_ID])
     outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params)
     for prompt, output in zip(chat_prompts, outputs):
@@ -357,6 +371,63 @@ def test_gguf_runs_the_embedded_files_own_blocks(embedded_dir):
         assert layer.quantized.group_size == 32
         x = torch.eye(weight.shape[1])  # the product with the identity: the weight itself
         torch.testing.assert_close(layer.quantized.matmul(x).T, weight, rtol=0, atol=2e-6)
+
+
+class OperatorsThatRan(TorchDispatchMode):
+    """The names of the operators that run inside it ("aten::mm", "mkldnn::_linear_pointwise")."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+MATRIX_PRODUCTS = {
+    "aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm",
+    "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+}  # fmt: skip
+FLOAT_PRODUCTS = {"float32": {"mkldnn::_linear_pointwise"}, "bfloat16": {"mkldnn::_linear_pointwise"},
+                  "float16": {"aten::linear"}}  # oneDNN on packed weights; float16: F.linear  # fmt: skip
+INT8, INT4 = "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu"
+# On the CPU, PyTorch's int8 and int4 kernels are fast for bfloat16 activations only: every
+# quantized engine runs bfloat16 ("auto" picks it), its tied embedding / LM head in int8.
+CPU_QUANTIZED_PRODUCTS = {"int8": {INT8}, "int4": {INT4, INT8}, "gguf": {INT4, INT8}}
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4", "gguf"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "auto"])
+def test_every_dtype_and_quantization_runs_a_kernel_or_is_refused(
+    tiny_model_dirs, tmp_path_factory, dtype, quantization
+):
+    """LLM(dtype=, quantization=) on the CPU either refuses the pair, naming the dtype it
+    supports, or decodes with the pair's kernel: every matrix product of a one-token step is
+    that kernel's, none a reference product on a dequantized weight (int8 past
+    INT8_FUSED_MAX_ROWS, or int4's reference layout, would show as aten::linear)."""
+    model_dir = tmp_path_factory.getbasetemp() / "with_gguf" / ENGINE_TEST_FAMILY
+    if not model_dir.exists():
+        tiny_model_with_gguf(tiny_model_dirs, ENGINE_TEST_FAMILY, "llama", model_dir.parent)
+    engine_settings = dict(dtype=dtype, quantization=quantization, enforce_eager=True,
+                    kv_cache_memory_bytes=2**22)  # fmt: skip
+    if quantization is not None and dtype in ("float32", "float16"):
+        with pytest.raises(ValueError, match=f"dtype {dtype} has no .* supported there: bfloat16"):
+            LLM(model=str(model_dir), **engine_settings)
+        return
+    llm = LLM(model=str(model_dir), **engine_settings)
+    model = llm.llm_engine.executor.driver_worker.model
+    expected_dtype = "float32" if dtype == "auto" and quantization is None else dtype
+    expected_dtype = "bfloat16" if expected_dtype == "auto" else expected_dtype
+    assert str(model.dtype) == f"torch.{expected_dtype}"
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    with OperatorsThatRan() as ran:  # a one-token prompt: every step multiplies one row
+        llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)
+    expected = (
+        FLOAT_PRODUCTS[expected_dtype] if quantization is None
+        else CPU_QUANTIZED_PRODUCTS[quantization]
+    )  # fmt: skip
+    assert ran.names & MATRIX_PRODUCTS == expected
 
 
 def test_an_unknown_quantization_is_refused():

@@ -35,7 +35,8 @@ class LLM:
     vLLM's names: dtype, device, seed, block_size, max_num_seqs, max_num_batched_tokens,
     max_model_len, kv_cache_memory_bytes, gpu_memory_utilization, scheduling_policy,
     enable_chunked_prefill, enable_prefix_caching, attention_backend, data_parallel_size,
-    logprobs_mode. An unknown one raises TypeError.
+    logprobs_mode, quantization (chapter 12: a dtype its kernels are not fast for is a
+    ValueError). An unknown one raises TypeError.
 
     With data_parallel_size=M > 1 the engine is a `DataParallelEngine` (chapter 07): M engine
     replicas, each in its own process, behind the same calls (a script then needs the

@@ -18,11 +18,14 @@ GGUF file ships in (`load_gguf_linear_weights`), so minivllm can run the file's 
 weights.
 
 The products dequantize inside the kernel: PyTorch's `_weight_int8pack_mm` (CPU and CUDA) and
-its int4 kernels (`_weight_int4pack_mm_for_cpu`; tinygemm's `_weight_int4pack_mm` on CUDA,
-bfloat16 only) read the small integers and their scales and never write a float copy of the
-weight. Where no kernel fits (a shape or dtype the kernel refuses), `Int4Weight` multiplies by a
-dequantized copy made per call: correct and slow; `kernel` says which ran. The tinygemm kernels
-store a group as (scale, zero) with w = (q - 8) * scale + zero, so zero = minimum + 8 * scale.
+its int4 kernels (`_weight_int4pack_mm_for_cpu`; tinygemm's `_weight_int4pack_mm` on CUDA)
+read the small integers and their scales and never write a float copy of the weight. They are
+fast for some activation dtypes only (`config.KERNEL_ACTIVATION_DTYPES`: bfloat16 on the CPU),
+and an engine refuses the others. int8 products of more than INT8_FUSED_MAX_ROWS rows convert
+the weight once per call for the float product. Where no kernel fits, the layers multiply by a
+dequantized copy made per call: correct and slow, the tests' reference; `kernel` says which
+ran. The tinygemm kernels store a group as (scale, zero) with w = (q - 8) * scale + zero, so
+zero = minimum + 8 * scale.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from minivllm.config import supported_activation_dtypes
 
 INT4_GROUP_SIZE = 32  # weights per scale and minimum: Q4_1's block
 SMALLEST_SCALE = torch.finfo(torch.float32).tiny  # the smallest normal float32, 1.2e-38
@@ -90,21 +95,22 @@ def dequantize_int4(
 
 # Rows of activations up to which a product reads the int8 weight in the fused kernel. The
 # kernel is a matrix-vector loop: for a decode step's few rows it reads 1 byte a weight where
-# the float product reads 4 (or 2); for a prompt's hundreds of rows the float product's tiled
-# kernel wins even after the weight is dequantized for it, once per call.
+# the float product reads 2 (or 4); for more rows the float product's tiled kernel wins even
+# after converting the weight for it, once per call.
 INT8_FUSED_MAX_ROWS = 4
 
 
 class Int8Weight:
-    """An int8 weight [N, K] with one scale per row, multiplied by `_weight_int8pack_mm` (CPU
-    and CUDA: it reads the int8 values and applies the row's scale to each output) for a few
-    rows, by the float product on the dequantized weight for many (INT8_FUSED_MAX_ROWS)."""
-
-    kernel = "aten._weight_int8pack_mm"
+    """An int8 weight [N, K] with one scale per row, multiplied by `_weight_int8pack_mm` (it
+    reads the int8 values and applies the row's scale to each output) for a few rows, and for
+    more rows (or a dtype the kernel is not fast for) by the float product on the weight
+    converted to the activations' dtype, the scales applied to its output: one float copy of
+    the weight per call."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
         self.q = q
         self.scale = scale.to(dtype)  # the kernel wants the activations' dtype
+        self.has_fused_kernel = dtype in supported_activation_dtypes("int8", q.device)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> Int8Weight:
@@ -118,13 +124,26 @@ class Int8Weight:
     def nbytes(self) -> int:
         return self.q.nbytes + self.scale.nbytes
 
+    @property
+    def kernel(self) -> str:
+        """What multiplies a decode step's few rows."""
+        if self.has_fused_kernel:
+            return "aten._weight_int8pack_mm"
+        return "F.linear on the weight in the activations' dtype"
+
+    def product_for(self, num_rows: int) -> str:
+        """Which product multiplies `num_rows` rows of activations: "fused" or "dequantized"."""
+        if self.has_fused_kernel and num_rows <= INT8_FUSED_MAX_ROWS:
+            return "fused"
+        return "dequantized"
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T for x [..., K]."""
         flat = x.reshape(-1, x.shape[-1])
-        if flat.shape[0] <= INT8_FUSED_MAX_ROWS:
+        if self.product_for(flat.shape[0]) == "fused":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale)
-        else:
-            out = F.linear(flat, self.q.to(x.dtype) * self.scale[:, None])
+        else:  # (x @ q.T) * scale is x @ (q * scale).T: the scales touch the output only
+            out = F.linear(flat, self.q.to(x.dtype)) * self.scale
         return out.reshape(*x.shape[:-1], self.q.shape[0])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -141,15 +160,17 @@ class Int4Layout:
 
 
 def int4_layout(shape: torch.Size, group_size: int, dtype: torch.dtype, device) -> Int4Layout:
-    """The CPU kernel takes float32, bfloat16 and float16, N a multiple of 16 (its packing
-    tiles the rows by 16) and any K that groups divide; tinygemm on CUDA takes bfloat16 only,
-    N a multiple of 8, groups of 32-256 and K a multiple of 32 (its packing tiles K by
-    16 x inner_k_tiles)."""
+    """A kernel for a dtype of config.KERNEL_ACTIVATION_DTYPES, where the shape fits it: the CPU
+    kernel needs N a multiple of 16 (its packing tiles the rows by 16) and any K that groups
+    divide; tinygemm on CUDA N a multiple of 8, groups of 32-256 and K a multiple of 32 (its
+    packing tiles K by 16 x inner_k_tiles). Anything else: the reference product."""
     rows, columns = shape
     device = torch.device(device)
+    if dtype not in supported_activation_dtypes("int4", device):
+        return Int4Layout("reference")
     if device.type == "cpu":
         return Int4Layout("cpu" if rows % 16 == 0 else "reference")
-    if device.type == "cuda" and dtype == torch.bfloat16 and rows % 8 == 0 and group_size >= 32:
+    if device.type == "cuda" and rows % 8 == 0 and group_size >= 32:
         for tiles in (8, 4, 2):
             if columns % (tiles * 16) == 0:
                 return Int4Layout("cuda", tiles)

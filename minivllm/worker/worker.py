@@ -96,7 +96,7 @@ class Worker:
         self.config = config
         self.tp = tp
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, config.quantization)
         bind_to_device(self.device)
         if self.device.type == "cpu":
             keep_freed_memory_in_process()  # steps reuse activation memory without page faults
