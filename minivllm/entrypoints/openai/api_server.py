@@ -60,6 +60,7 @@ from minivllm.entrypoints.openai.protocol import (
     SamplingRequest,
     TokenizeRequest,
     TokenizeResponse,
+    declare_model_bounds,
 )
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -116,17 +117,24 @@ def error_response(error: OpenAIError, headers: dict[str, str] | None = None) ->
 
 
 def validation_message(error: RequestValidationError) -> tuple[str, str | None]:
-    """Pydantic's errors as one message, and the first offending field (the location in the
-    body, without FastAPI's leading "body")."""
+    """Pydantic's errors as one message, and the request field the first one is in (the
+    location in the body without FastAPI's leading "body", its first part). A value our own
+    validators refused (a RequestFieldError) keeps its message and field as they were raised."""
     parts, param = [], None
     for item in error.errors():
         loc = item["loc"][1:] if item["loc"][:1] == ("body",) else item["loc"]
         if item["type"] == "json_invalid":  # its location is a character position
             parts.append(f"Invalid JSON: {item['ctx']['error']} at character {loc[0]}")
             continue
+        refused = item.get("ctx", {}).get("error")
+        if isinstance(refused, RequestFieldError):
+            param = param or refused.param
+            parts.append(str(refused))
+            continue
         location = ".".join(str(part) for part in loc)
-        param = param or location or None
-        parts.append(f"{location}: {item['msg']}" if location else item["msg"])
+        param = param or (str(loc[0]) if loc else None)
+        message = str(refused) if isinstance(refused, ValueError) else item["msg"]
+        parts.append(f"{location}: {message}" if location else message)
     return "; ".join(parts), param
 
 
@@ -235,21 +243,25 @@ def build_app(engine: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(Exception, internal_error)
     app.include_router(router)
-    app.openapi = lambda: openapi_without_422(app)
+    app.openapi = lambda: served_openapi(app)
     return app
 
 
-def openapi_without_422(app: FastAPI) -> dict:
-    """FastAPI's schema, less the 422 it documents for every body: this server answers
-    validation errors with OpenAI's 400, which the routes document instead."""
+def served_openapi(app: FastAPI) -> dict:
+    """FastAPI's schema with the bounds of the model served (its vocabulary and context), less
+    the 422 it documents for every body: this server answers validation errors with OpenAI's
+    400, which the routes document instead."""
     if app.openapi_schema is None:
-        app.openapi_schema = FastAPI.openapi(app)
-        for path in app.openapi_schema["paths"].values():
+        schema = FastAPI.openapi(app)
+        for path in schema["paths"].values():
             for operation in path.values():
                 operation.get("responses", {}).pop("422", None)
-        schemas = app.openapi_schema.get("components", {}).get("schemas", {})
+        schemas = schema.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             schemas.pop(name, None)
+        serving = app.state.server.completions
+        declare_model_bounds(schema, serving.vocab_size, serving.engine.max_model_len)
+        app.openapi_schema = schema
     return app.openapi_schema
 
 
@@ -369,10 +381,8 @@ async def tokenize(request: TokenizeRequest, raw_request: Request) -> TokenizeRe
     try:
         if request.messages is not None:
             tokens = state.chat.chat_prompt_ids(request.messages, request.add_generation_prompt)
-        elif request.prompt is not None:
-            tokens = list(state.engine.tokenizer.encode(request.prompt))
         else:
-            raise ValueError("give a prompt or messages")
+            tokens = list(state.engine.tokenizer.encode(request.prompt))
     except (ValueError, TypeError) as error:
         raise as_openai_error(error) from None
     return TokenizeResponse(

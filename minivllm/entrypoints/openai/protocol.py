@@ -11,21 +11,37 @@ json_object), both mapped onto `SamplingParams.structured_outputs`. Tool calling
 the same machinery, as vLLM does it without a tool parser: `tool_choice` "required" or a named
 function becomes a JSON schema the answer must fit, and the answer is returned as `tool_calls`.
 
-Unknown fields are ignored, as OpenAI's clients send fields a server may not know; but an
-OpenAI field that would change the answer and that minivllm does not implement (`suffix`,
-`functions`, ...) is declared here so that setting it is a 400 naming it, never silently
-dropped.
+The models are the schema `/openapi.json` serves, so they say exactly what the server takes:
+types are strict (`true` is not a token id, `1.5` not a count, `"yes"` not a boolean), every
+bound a validator enforces on one field is declared on it, and the bounds that depend on the
+model served (its vocabulary, its context length) are marked here and filled in by the server
+(`declare_model_bounds`). What no schema can say (a prompt too long for the context once
+tokenized, a regex that does not compile, fields that exclude each other) is a 400 naming
+the field. Unknown fields are ignored, as OpenAI's clients send fields a server may not know;
+but an OpenAI field that would change the answer and that minivllm does not implement
+(`suffix`, `functions`, ...) is declared as `null` only, so that setting it is a 400 naming
+it, never silently dropped.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    model_validator,
+)
 
 from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
+from minivllm.tokenizer import RESERVED_TEMPLATE_ARGUMENTS
 
 # JSON has no -inf; a token the model rules out gets this log-probability instead (vLLM's value).
 MIN_LOGPROB = -9999.0
@@ -36,6 +52,95 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_CHOICES = 128
 # OpenAI's range for a logit bias; vLLM clamps to it.
 LOGIT_BIAS_LIMIT = 100.0
+# Candidates per token a request may ask for (`logprobs`, `top_logprobs`, `prompt_logprobs`):
+# OpenAI's cap, and vLLM's default --max-logprobs. Each one is a sort and a decode per token.
+MAX_LOGPROBS = 20
+
+# The key that marks, in the schema, a bound set by the model served (`declare_model_bounds`):
+# "vocabulary" (token ids, below the vocabulary size) or "context" (lengths that leave room
+# for a prompt in the context).
+MODEL_BOUND = "x-model-bound"
+# A decimal token id as a string (logit_bias's keys): no sign, no leading zero, no spaces.
+TOKEN_ID_STRING = re.compile(r"0|[1-9][0-9]*")
+
+
+def model_bound(kind: Literal["vocabulary", "context"], **constraints: Any) -> Any:
+    return Field(**constraints, json_schema_extra={MODEL_BOUND: kind})
+
+
+def declare_model_bounds(schema: Any, vocab_size: int, max_model_len: int) -> None:
+    """Fill in, in place, the bounds `model_bound` marked in a JSON schema: below the vocabulary
+    size for token ids (a number, or the keys of an object), below the context length for
+    lengths (a count of tokens a prompt leaves room for, or a number of prompt tokens)."""
+    if isinstance(schema, list):
+        for item in schema:
+            declare_model_bounds(item, vocab_size, max_model_len)
+        return
+    if not isinstance(schema, dict):
+        return
+    kind = schema.pop(MODEL_BOUND, None)
+    if kind is not None:
+        limit = vocab_size if kind == "vocabulary" else max_model_len
+        if schema.get("type") == "integer":
+            schema["maximum"] = limit - 1
+        elif schema.get("type") == "array":
+            schema["maxItems"] = limit - 1
+        else:  # an object keyed by token ids
+            schema["propertyNames"] = {"pattern": f"^({integers_below(limit)})$"}
+    for value in schema.values():
+        declare_model_bounds(value, vocab_size, max_model_len)
+
+
+def integers_below(limit: int) -> str:
+    """A regular expression for the decimal numbers 0 <= n < limit as TOKEN_ID_STRING writes
+    them: a JSON schema can bound a number but not a key, so logit_bias's keys are bounded by
+    their digits. For limit 49152: 0, one to four digits, then the five-digit numbers by how
+    much of 49151 they share: 1xxxx-3xxxx, 40xxx-48xxx, 490xx, 4910x-4914x, 49150, 49151."""
+    top = str(limit - 1)
+    alternatives = ["0"]
+    if len(top) > 1:
+        alternatives.append(f"[1-9][0-9]{{0,{len(top) - 2}}}")
+    for position, digit in enumerate(top):  # as long as top: top's first digits, one lower
+        lowest, below = (1 if position == 0 else 0), int(digit) - 1
+        if below >= lowest:
+            lower = str(below) if below == lowest else f"[{lowest}-{below}]"
+            alternatives.append(top[:position] + lower + "[0-9]" * (len(top) - position - 1))
+    if top != "0":
+        alternatives.append(top)
+    return "|".join(alternatives)
+
+
+def _integral(value: Any) -> Any:
+    """A float with no fraction as the integer it is: JSON Schema's integers include 1.0 (JSON
+    has one kind of number), so the schema's "integer" takes it. A fractional float, a bool or
+    a string is left to the strict int, which refuses it."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def integer(*constraints: Any) -> Any:
+    """An int type with its constraints (`Field(ge=...)`), taking 1.0 as 1 (`_integral`). The
+    constraints come before the validator: after it, pydantic could not put them in the
+    schema."""
+    return Annotated[(int, *constraints, BeforeValidator(_integral))]
+
+
+Integer = integer()
+TokenId = integer(model_bound("vocabulary", ge=0))
+NonEmptyStr = Annotated[str, Field(min_length=1)]
+# A count of candidates per token.
+NumLogprobs = integer(Field(ge=0, le=MAX_LOGPROBS))
+NumChoices = integer(Field(ge=1, le=MAX_CHOICES))
+# Declared as OpenAPI's int64, which is exactly this range: bounds past 2**53 written as
+# numbers are read as doubles by many JSON tools (2**63 - 1 becomes 2**63).
+Seed = integer(
+    Field(ge=SEED_MIN, le=SEED_MAX), WithJsonSchema({"type": "integer", "format": "int64"})
+)
+TopK = integer(Field(ge=-1))
+MinTokens = integer(Field(ge=0))
+# Candidates per prompt token; -1: the whole vocabulary.
+PromptLogprobsCount = integer(Field(ge=-1, le=MAX_LOGPROBS))
 
 
 class RequestFieldError(ValueError):
@@ -46,9 +151,25 @@ class RequestFieldError(ValueError):
         self.param = param
 
 
+def _refuse_unless_null(value: Any, info: ValidationInfo) -> None:
+    if value is not None:
+        raise RequestFieldError(info.field_name, f"{info.field_name} is not supported by minivllm")
+    return value
+
+
+# An OpenAI field minivllm does not implement: the schema allows only null, and any other
+# value is a 400 naming it.
+Unsupported = Annotated[
+    None,
+    BeforeValidator(_refuse_unless_null),
+    Field(description="not supported by minivllm: refused unless null"),
+]
+
+
 class OpenAIBaseModel(BaseModel):
-    # Unknown fields are ignored, as OpenAI's clients send fields a server may not know.
-    model_config = ConfigDict(extra="ignore")
+    # Unknown fields are ignored, as OpenAI's clients send fields a server may not know; known
+    # ones are not coerced (strict), so that a value is accepted exactly when the schema says.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -81,70 +202,122 @@ class JsonSchemaFormat(OpenAIBaseModel):
     strict: bool | None = None
 
 
-class ResponseFormat(OpenAIBaseModel):
-    """OpenAI's `response_format`: free text, any JSON object, or JSON that fits a schema."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self) -> ResponseFormat:
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError('type "json_schema" needs a json_schema: {"name", "schema"}')
-        return self
+class TextFormat(OpenAIBaseModel):
+    type: Literal["text"]
 
     def as_structured_outputs(self) -> StructuredOutputsParams | None:
-        """The same constraint in vLLM's terms; None for free text."""
-        if self.type == "json_object":
-            return StructuredOutputsParams(json_object=True)
-        if self.type == "json_schema":
-            return StructuredOutputsParams(json=self.json_schema.json_schema)
         return None
 
 
-class SamplingRequest(OpenAIBaseModel):
-    """The fields both generation endpoints share, and their translation to SamplingParams."""
+class JsonObjectFormat(OpenAIBaseModel):
+    type: Literal["json_object"]
 
-    # OpenAI fields that change the answer and are not implemented: refused when set.
-    unsupported_fields: ClassVar[tuple[str, ...]] = ()
+    def as_structured_outputs(self) -> StructuredOutputsParams | None:
+        return StructuredOutputsParams(json_object=True)
+
+
+class JsonSchemaResponseFormat(OpenAIBaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schema_given(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "json_schema" not in data:
+            raise RequestFieldError(
+                "response_format", 'type "json_schema" needs a json_schema: {"name", "schema"}'
+            )
+        return data
+
+    def as_structured_outputs(self) -> StructuredOutputsParams | None:
+        return StructuredOutputsParams(json=self.json_schema.json_schema)
+
+
+# OpenAI's `response_format`: free text, any JSON object, or JSON that fits a schema; each
+# `as_structured_outputs()` is the same constraint in vLLM's terms (None for free text).
+ResponseFormat = Annotated[
+    TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")
+]
+
+# The five kinds of vLLM's structured_outputs; the schema says that exactly one is set.
+STRUCTURED_OUTPUT_KINDS = {
+    "json": {"type": ["string", "object"]},
+    "regex": {"type": "string"},
+    "choice": {"type": "array"},
+    "grammar": {"type": "string"},
+    "json_object": {"const": True},
+}
+
+
+class StructuredOutputs(OpenAIBaseModel):
+    """vLLM's `structured_outputs` as a request carries it; `params` is the engine's
+    `StructuredOutputsParams`, which checks it (exactly one kind set) when the body is read."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "oneOf": [
+                {"required": [kind], "properties": {kind: value}}
+                for kind, value in STRUCTURED_OUTPUT_KINDS.items()
+            ]
+        }
+    )
+
+    # "json" is also the name of a pydantic method: hence the alias.
+    json_spec: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: NonEmptyStr | None = None
+    choice: Annotated[list[NonEmptyStr], Field(min_length=1)] | None = None
+    grammar: NonEmptyStr | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> StructuredOutputs:
+        self.params()
+        return self
+
+    def params(self) -> StructuredOutputsParams:
+        return StructuredOutputsParams(**self.model_dump(by_alias=True))
+
+
+class SamplingRequest(OpenAIBaseModel):
+    """The fields both generation endpoints share, and their translation to SamplingParams.
+    The bounds are SamplingParams' own (tests/test_served_schema.py checks they agree)."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    logit_bias: dict[str, float] | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    n: NumChoices = 1
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    seed: Seed | None = None
+    # {"token id": bias}: the keys are token ids of the vocabulary
+    logit_bias: Annotated[dict[str, float], model_bound("vocabulary")] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM's extra sampling fields
-    top_k: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
+    top_k: TopK | None = None  # -1 or 0: off
+    min_p: float = Field(default=0.0, ge=0, le=1)
+    repetition_penalty: float = Field(default=1.0, gt=0)
+    min_tokens: MinTokens = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
-    prompt_logprobs: int | None = None  # top candidates per prompt token (vLLM's extra)
-    # chapter 10: the form of the output, OpenAI's way or vLLM's (pydantic fills the dataclass
-    # and runs its checks, so a malformed one is a 400 naming structured_outputs)
+    priority: Integer = 0
+    # top candidates per prompt token (vLLM's extra); -1: the whole vocabulary
+    prompt_logprobs: PromptLogprobsCount | None = None
+    # chapter 10: the form of the output, OpenAI's way or vLLM's
     response_format: ResponseFormat | None = None
-    structured_outputs: StructuredOutputsParams | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
     def check_supported(self) -> None:
-        """Refuse what would otherwise be silently ignored (vLLM's checks and messages)."""
-        for name in self.unsupported_fields:
-            if getattr(self, name) is not None:
-                raise RequestFieldError(name, f"{name} is not supported by minivllm")
+        """Refuse combinations that would otherwise be silently ignored (vLLM's checks and
+        messages)."""
         if self.stream_options is not None and not self.stream:
             raise RequestFieldError(
                 "stream_options", "Stream options can only be defined when `stream=True`."
@@ -201,13 +374,11 @@ class SamplingRequest(OpenAIBaseModel):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            try:
-                token_id = int(key)
-            except ValueError:
+            if not TOKEN_ID_STRING.fullmatch(key):
                 raise RequestFieldError(
                     "logit_bias", f"logit_bias keys must be token ids, got {key!r}"
-                ) from None
-            bias[token_id] = min(max(value, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
+                )
+            bias[int(key)] = min(max(value, -LOGIT_BIAS_LIMIT), LOGIT_BIAS_LIMIT)
         return bias
 
     def output_form(self) -> StructuredOutputsParams | None:
@@ -218,20 +389,34 @@ class SamplingRequest(OpenAIBaseModel):
                 "response_format must be text when structured_outputs is set: give the form of "
                 "the output in one of them"
             )
-        return from_format or self.structured_outputs
+        if from_format is not None:
+            return from_format
+        return self.structured_outputs and self.structured_outputs.params()
+
+
+# A prompt as token ids: at least one, and room left in the context for one generated token.
+PromptTokenIds = Annotated[list[TokenId], model_bound("context", min_length=1)]
+# At most what the context holds after a one-token prompt.
+MaxTokens = integer(model_bound("context", ge=1))
+# Completions take 0 as well, with echo: the prompt's logprobs alone.
+CompletionMaxTokens = integer(model_bound("context", ge=0))
 
 
 class CompletionRequest(SamplingRequest):
-    unsupported_fields: ClassVar[tuple[str, ...]] = ("suffix",)
-
     # One prompt or a batch: a string, a list of strings, token ids, or a list of token-id lists.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: (
+        NonEmptyStr
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | PromptTokenIds
+        | Annotated[list[PromptTokenIds], Field(min_length=1)]
+    )
+    max_tokens: CompletionMaxTokens | None = 16
+    logprobs: NumLogprobs | None = None
     # The prompt in front of the answer, with its logprobs when logprobs are asked for.
     echo: bool = False
-    best_of: int | None = None  # only best_of == n: minivllm returns every sequence it makes
-    suffix: str | None = None
+    # only best_of == n: minivllm returns every sequence it makes
+    best_of: NumChoices | None = None
+    suffix: Unsupported = None
 
     @property
     def echo_only(self) -> bool:
@@ -271,7 +456,7 @@ class ToolCall(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    role: str
+    role: NonEmptyStr
     content: str | list[TextContent] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
@@ -342,34 +527,46 @@ AUTO_TOOL_CHOICE_ERROR = (
 )
 
 
-class ChatCompletionRequest(SamplingRequest):
-    unsupported_fields: ClassVar[tuple[str, ...]] = (
-        "functions",
-        "function_call",
-        "audio",
-        "prediction",
-        "web_search_options",
-    )
+def _refuse_auto(value: Any) -> Any:
+    if value == "auto":
+        raise RequestFieldError("tool_choice", AUTO_TOOL_CHOICE_ERROR)
+    return value
 
-    messages: list[ChatMessage]
-    max_tokens: int | None = None  # None: as many as the context leaves
-    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: MaxTokens | None = None  # None: as many as the context leaves
+    max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extra: the template's options
+    # vLLM's extra: the template's options (not the arguments the server gives it)
+    chat_template_kwargs: (
+        Annotated[
+            dict[str, Any],
+            Field(
+                json_schema_extra={
+                    "propertyNames": {"not": {"enum": list(RESERVED_TEMPLATE_ARGUMENTS)}}
+                }
+            ),
+        ]
+        | None
+    ) = None
     tools: list[ChatCompletionTool] | None = None
     # "none" (the default without tools): answer in text; "required": call one or more of the
     # tools; a named function: call that one. ("auto" needs a tool parser, which minivllm has
     # not: as in vLLM without one, it is refused, and it is the default when tools are given.)
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    tool_choice: Annotated[
+        Literal["none", "required"] | NamedToolChoice | None, BeforeValidator(_refuse_auto)
+    ] = None
+    # false: at most one call; true (OpenAI's default): any number, each a different call
     parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: str | dict[str, Any] | None = None
-    audio: dict[str, Any] | None = None
-    prediction: dict[str, Any] | None = None
-    web_search_options: dict[str, Any] | None = None
-    modalities: list[str] | None = None
+    functions: Unsupported = None
+    function_call: Unsupported = None
+    audio: Unsupported = None
+    prediction: Unsupported = None
+    web_search_options: Unsupported = None
+    modalities: list[Literal["text"]] | None = None  # minivllm answers in text only
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
@@ -390,8 +587,6 @@ class ChatCompletionRequest(SamplingRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.modalities is not None and self.modalities != ["text"]:
-            raise RequestFieldError("modalities", "minivllm answers in text only")
         choice = self.effective_tool_choice
         if choice == "auto":
             raise RequestFieldError("tool_choice", AUTO_TOOL_CHOICE_ERROR)
@@ -473,15 +668,33 @@ def _parameters_schema(tool: ChatCompletionTool) -> dict[str, Any]:
 
 
 class TokenizeRequest(OpenAIBaseModel):
+    """vLLM's two forms: a text, or a conversation through the chat template (which wins if
+    both are given)."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "anyOf": [
+                {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+                {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+            ]
+        }
+    )
+
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if self.prompt is None and self.messages is None:
+            raise RequestFieldError("prompt", "give a prompt or messages")
+        return self
 
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # --- responses -----------------------------------------------------------------------------------

@@ -150,7 +150,9 @@ class OpenAIServing:
 
     @property
     def vocab_size(self) -> int:
-        return len(self.engine.tokenizer)
+        """The model's vocabulary, which token ids must be in (it may be padded past the
+        tokenizer's entries)."""
+        return self.engine.client.processor.vocab_size
 
     def decode_token(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id])
