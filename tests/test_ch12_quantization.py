@@ -374,15 +374,20 @@ def test_gguf_runs_the_embedded_files_own_blocks(embedded_dir):
 
 
 class OperatorsThatRan(TorchDispatchMode):
-    """The names of the operators that run inside it ("aten::mm", "mkldnn::_linear_pointwise")."""
+    """The names of the operators that run inside it ("aten::mm", "mkldnn::_linear_pointwise")
+    and the shapes of the floating-point tensors they make."""
 
     def __init__(self):
         super().__init__()
         self.names: set[str] = set()
+        self.float_shapes: list[tuple[int, ...]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.names.add(func._schema.name)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            self.float_shapes.append(tuple(out.shape))
+        return out
 
 
 MATRIX_PRODUCTS = {
@@ -428,6 +433,27 @@ def test_every_dtype_and_quantization_runs_a_kernel_or_is_refused(
         else CPU_QUANTIZED_PRODUCTS[quantization]
     )  # fmt: skip
     assert ran.names & MATRIX_PRODUCTS == expected
+
+
+@pytest.mark.parametrize(
+    "num_rows, fused",
+    [(1, True), (q.INT8_FUSED_MAX_ROWS, True), (q.INT8_FUSED_MAX_ROWS + 1, False), (64, False)],
+)
+def test_int8_products_switch_kernel_past_the_fused_rows_and_copy_the_weight_once(num_rows, fused):
+    """Up to INT8_FUSED_MAX_ROWS rows the fused kernel reads the int8 weight and no float copy
+    of it is made; past them the float product multiplies one copy converted to bfloat16 (the
+    scales applied to its output, not a second, scaled copy). Both are the product with the
+    dequantized weight."""
+    weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    int8 = q.Int8Weight.from_float(weight.bfloat16())
+    with OperatorsThatRan() as ran:
+        out = int8.matmul(x)
+    products = ran.names & MATRIX_PRODUCTS
+    assert (products == {INT8}) if fused else (products and INT8 not in products)
+    assert ran.float_shapes.count((48, 64)) == (0 if fused else 1)
+    expected = x.double() @ q.dequantize_int8(int8.q, int8.scale).double().T
+    torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_an_unknown_quantization_is_refused():
