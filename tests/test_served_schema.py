@@ -20,6 +20,8 @@ is valid OpenAPI.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -82,12 +84,20 @@ class ServedApp:
     app: FastAPI
 
 
+@contextmanager
+def served_app(model_dir, **engine_settings) -> Iterator[ServedApp]:
+    config = EngineConfig(model=str(model_dir), **engine_settings)
+    engine = AsyncLLM.from_config(config, multiprocess=False)
+    try:
+        yield ServedApp(engine, build_app(engine, ServerSettings(served_model_name=MODEL)))
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="module")
 def served(tiny_model_dirs):
-    config = EngineConfig(model=str(tiny_model_dirs[ENGINE_TEST_FAMILY]), **FUZZ_ENGINE_SETTINGS)
-    engine = AsyncLLM.from_config(config, multiprocess=False)
-    yield ServedApp(engine, build_app(engine, ServerSettings(served_model_name=MODEL)))
-    engine.shutdown()
+    with served_app(tiny_model_dirs[ENGINE_TEST_FAMILY], **FUZZ_ENGINE_SETTINGS) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,17 @@ Tools, as vLLM serves them without a tool parser: their definitions go into the 
 `tool_choice` "required" or a named function makes the answer a JSON document fitting the
 tools' schema (chapter 10's structured outputs), which is returned as `tool_calls` rather than
 as content. A stream sends each choice's tool calls whole, in the chunk that ends the choice.
+With "required", `parallel_tool_calls: false` allows one call; otherwise any number of
+distinct calls: an answer that repeats a call ends before the repeat, and one cut short by
+max_tokens returns the calls it completed.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import replace
 
 from minivllm.entrypoints.openai.protocol import (
     AssistantMessage,
@@ -81,7 +85,7 @@ class OpenAIServingChat(OpenAIServing):
     async def respond(
         self, request: ChatCompletionRequest, started: StartedRequest
     ) -> ChatCompletionResponse:
-        (output,) = await final_outputs(started.streams)
+        (output,) = await final_outputs(self.outputs(request, started), 1)
         choices = []
         for completion in output.outputs:
             raise_if_failed(completion)
@@ -119,7 +123,7 @@ class OpenAIServingChat(OpenAIServing):
             yield sse(self.chunk(started, [ChatCompletionStreamChoice(index=i, delta=role)]))
         progress = [ChoiceProgress() for _ in range(params.n)]
         finished: list[RequestOutput] = []
-        async for _, output in merge_streams(started.streams):
+        async for _, output in self.outputs(request, started):
             for completion in output.outputs:
                 raise_if_failed(completion)
                 choice_progress = progress[completion.index]
@@ -136,6 +140,14 @@ class OpenAIServingChat(OpenAIServing):
         if request.include_usage:
             yield sse(self.chunk(started, [], UsageInfo.of(*usage_counts(finished))))
         yield sse("[DONE]")
+
+    def outputs(
+        self, request: ChatCompletionRequest, started: StartedRequest
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        outputs = merge_streams(started.streams)
+        if request.effective_tool_choice == "required":
+            return without_repeated_calls(outputs)
+        return outputs
 
     def stream_choice(
         self,
@@ -190,8 +202,9 @@ def tool_call_id() -> str:
 
 def answer_tool_calls(request: ChatCompletionRequest, text: str) -> list[ToolCall] | None:
     """The answer of a forced tool call as `tool_calls`: a named function's arguments are the
-    whole text; "required" answers a JSON array of {"name", "parameters"}. None when the
-    request calls no tools, or when an answer cut short is not JSON yet (then it is content)."""
+    whole text; "required" answers a JSON array of {"name", "parameters"}, of which an answer
+    cut short (max_tokens) gives the calls it completed. None when the request calls no
+    tools, or when no call is complete (then the text is the content)."""
     choice = request.effective_tool_choice
     if isinstance(choice, NamedToolChoice):
         return [
@@ -201,9 +214,8 @@ def answer_tool_calls(request: ChatCompletionRequest, text: str) -> list[ToolCal
         ]
     if choice != "required":
         return None
-    try:
-        calls = json.loads(text)
-    except json.JSONDecodeError:
+    calls = first_distinct(complete_calls(text))
+    if not calls:
         return None
     return [
         ToolCall(
@@ -214,6 +226,70 @@ def answer_tool_calls(request: ChatCompletionRequest, text: str) -> list[ToolCal
         )
         for call in calls
     ]
+
+
+def complete_calls(text: str) -> list[dict]:
+    """The complete calls at the start of a "required" answer: its grammar makes the text a
+    prefix of a JSON array of calls, and an answer cut short ends inside one (dropped)."""
+    decoder, calls = json.JSONDecoder(), []
+    position = len(text) - len(text.lstrip())
+    if not text.startswith("[", position):
+        return calls
+    position += 1
+    while True:
+        try:
+            call, position = decoder.raw_decode(text, _after_space(text, position))
+        except json.JSONDecodeError:
+            return calls
+        calls.append(call)
+        position = _after_space(text, position)
+        if not text.startswith(",", position):
+            return calls  # "]", or the text ends
+        position += 1
+
+
+def _after_space(text: str, position: int) -> int:
+    while position < len(text) and text[position].isspace():
+        position += 1
+    return position
+
+
+def first_distinct(calls: list[dict]) -> list[dict]:
+    """The calls before the first one that repeats an earlier call."""
+    for position, call in enumerate(calls):
+        if call in calls[:position]:
+            return calls[:position]
+    return calls
+
+
+async def without_repeated_calls(
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """A "required" answer ended at its first repeated call. The grammar admits any number of
+    calls, and a model may repeat one until max_tokens (greedy decoding of a small model
+    does); a second identical call asks for nothing the first did not, so the choice ends
+    before it ("stop": its calls are the distinct ones before), as if the array had closed
+    there. Once every choice has ended, the streams are closed (aborting what still runs)."""
+    ended: dict[int, CompletionOutput] = {}
+    try:
+        async for index, output in outputs:
+            completions = []
+            for completion in output.outputs:
+                if completion.index not in ended and completion.finish_reason is None:
+                    calls = complete_calls(completion.text)
+                    distinct = first_distinct(calls)
+                    if len(distinct) < len(calls):
+                        text = json.dumps(distinct, ensure_ascii=False)
+                        ended[completion.index] = replace(
+                            completion, text=text, finish_reason="stop"
+                        )
+                completions.append(ended.get(completion.index, completion))
+            finished = output.finished or all(c.finish_reason for c in completions)
+            yield index, replace(output, outputs=completions, finished=finished)
+            if finished:
+                return
+    finally:
+        await outputs.aclose()
 
 
 def stream_tool_calls(tool_calls: list[ToolCall]) -> list[DeltaToolCall]:

@@ -66,7 +66,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def respond(
         self, request: CompletionRequest, started: StartedRequest
     ) -> CompletionResponse:
-        outputs = await final_outputs(started.streams)
+        outputs = await final_outputs(merge_streams(started.streams), len(started.streams))
         choices = []
         for i, output in enumerate(outputs):
             for completion in output.outputs:

@@ -231,12 +231,14 @@ async def merge_streams(
             stream.close()
 
 
-async def final_outputs(streams: list[RequestStream]) -> list[RequestOutput]:
-    """Each request's finished output, in prompt order."""
+async def final_outputs(
+    outputs: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int
+) -> list[RequestOutput]:
+    """Each request's finished output, in prompt order, from `merge_streams`' pairs."""
     last: dict[int, RequestOutput] = {}
-    async for index, output in merge_streams(streams):
+    async for index, output in outputs:
         last[index] = output
-    return [last[index] for index in range(len(streams))]
+    return [last[index] for index in range(num_prompts)]
 
 
 async def cancel_on_disconnect(raw_request: Request, work: Awaitable):
