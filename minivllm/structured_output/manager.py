@@ -28,7 +28,8 @@ The pieces, and where they run:
 - `apply_token_bitmasks`: the model runner masks the logits rows before sampling.
 
 `parse_grammar` is also called when a request is checked (`engine/processor.py`), so a spec that
-does not parse is refused before anything is queued, online and offline alike.
+does not parse, or an EBNF grammar that matches no finite string (`emptiness.py`), is refused
+before anything is queued, online and offline alike.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from minivllm.sample.sampling_params import StructuredOutputsParams
+from minivllm.structured_output.emptiness import matches_a_finite_string
 
 XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -182,7 +184,13 @@ def _parse_grammar_key(key: str):
             return xgrammar.Grammar.from_ebnf(
                 "root ::= " + " | ".join(json.dumps(choice) for choice in value)
             )
-        return xgrammar.Grammar.from_ebnf(value)
+        grammar = xgrammar.Grammar.from_ebnf(value)
+        if not matches_a_finite_string(grammar):
+            raise ValueError(
+                "structured_outputs.grammar matches no finite string: every way through it "
+                "recurses without end (as root ::= root does)"
+            )
+        return grammar
     except RuntimeError as error:  # xgrammar reports parse errors as RuntimeError
         raise ValueError(f"structured_outputs.{kind} is not valid: {plain(error)}") from None
 
