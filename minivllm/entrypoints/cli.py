@@ -118,6 +118,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    from minivllm.engine.async_llm import EngineDeadError
     from minivllm.entrypoints.openai.api_server import ServerSettings, run_server
 
     settings = ServerSettings(
@@ -130,7 +131,11 @@ def cmd_serve(args) -> None:
         generation_config=args.generation_config,
         engine_core_process=args.engine_core_process,
     )
-    run_server(EngineConfig.from_kwargs(**engine_settings(args)), settings)
+    try:
+        run_server(EngineConfig.from_kwargs(**engine_settings(args)), settings)
+    except EngineDeadError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(1)
 
 
 def cmd_bench_serve(args) -> None:

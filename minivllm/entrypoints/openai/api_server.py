@@ -11,8 +11,10 @@
 Every error is a JSON body in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 and leaves the server as it was: 400 for a bad request (its message names the field), 401
 without the API key, 404 for an unknown route or model, 405 (with `Allow`) for a wrong method,
-413 for a body over the limit, 503 when too many requests already wait, 500 for a failure of
-ours; a stream that fails once started ends with an error event and `[DONE]`. The routes
+413 for a body over the limit, 503 when too many requests already wait (or the engine is
+dead), 500 for a failure of ours; a stream that fails once started ends with an error event
+and `[DONE]`. If the engine core dies, `minivllm serve` tells the open requests and exits
+with an error, as vLLM's server does, for whatever supervises it to restart it. The routes
 declare their request models, so `/openapi.json` documents every body and every error.
 
 The model directory's generation_config.json gives the defaults of the sampling fields a
@@ -43,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minivllm.config import EngineConfig
-from minivllm.engine.async_llm import AsyncLLM
+from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.entrypoints.openai.metrics import make_registry
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionChunk,
@@ -424,16 +426,51 @@ async def metrics(raw_request: Request) -> Response:
 # --- running it ----------------------------------------------------------------------------------
 
 
+# How often `minivllm serve` checks that its engine still runs (vLLM's watchdog: 5 s).
+WATCHDOG_INTERVAL_S = 0.5
+# How long a stopping server waits for its connections to close.
+GRACEFUL_SHUTDOWN_S = 5
+
+
 def run_server(config: EngineConfig, settings: ServerSettings) -> None:
-    """`minivllm serve`: load the engine, serve until Ctrl-C, shut the engine down."""
+    """`minivllm serve`: load the engine, serve until Ctrl-C, shut the engine down. If the
+    engine core dies, the open requests end with an error, /health answers 503, and the
+    server stops with EngineDeadError (as vLLM's does), for a supervisor to restart it,
+    rather than answering 503 for ever."""
     engine = AsyncLLM.from_config(
         config, settings.max_waiting_requests, multiprocess=settings.engine_core_process
     )
     try:
         app = build_app(engine, settings)
-        uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
+        uvicorn_config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level="info",
+            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        )
+        asyncio.run(serve_while_engine_runs(uvicorn.Server(uvicorn_config), engine))
     finally:
         engine.shutdown()
+
+
+async def serve_while_engine_runs(server: uvicorn.Server, engine: AsyncLLM) -> None:
+    """Serve until the server is stopped; raise EngineDeadError if it stopped because the
+    engine died."""
+    watchdog = asyncio.create_task(stop_when_engine_dies(server, engine))
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()
+    if not engine.is_running:
+        raise EngineDeadError("the engine stopped, so the server did")
+
+
+async def stop_when_engine_dies(server: uvicorn.Server, engine: AsyncLLM) -> None:
+    while engine.is_running:
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+    logger.error("the engine is not running: stopping the server")
+    server.should_exit = True
 
 
 def wait_until_healthy(base_url: str, timeout_s: float, is_alive: Callable[[], bool]) -> None:
