@@ -193,6 +193,10 @@ def _parse_grammar_key(key: str):
         return grammar
     except RuntimeError as error:  # xgrammar reports parse errors as RuntimeError
         raise ValueError(f"structured_outputs.{kind} is not valid: {plain(error)}") from None
+    except UnicodeDecodeError:
+        # xgrammar's parse error quotes the grammar byte by byte and may cut a character in
+        # two; its message is then no UTF-8 and never becomes a RuntimeError.
+        raise ValueError(f"structured_outputs.{kind} is not valid: it does not parse") from None
 
 
 def plain(error: Exception) -> str:
