@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from minivllm import cpu_kernels
 from minivllm.utils import as_int, float_in, int_at_least, reject
 
 # model_type in config.json -> the switches that family turns on.
@@ -43,10 +44,24 @@ KERNEL_ACTIVATION_DTYPES = {
 }
 
 
+# minivllm's own CPU products (models/cpu_quantized.py, C++ built at first use) widen the
+# weights to float32 and accumulate there whatever the activations' dtype, so they are fast for
+# both; bfloat16 first, as above. Where they cannot be built, the table above holds.
+OWN_CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def uses_own_cpu_kernels(device: torch.device | str) -> bool:
+    """Whether int8/int4 weights on `device` run minivllm's own C++ products (chapter 12):
+    on a CPU, once they are built (at the first call)."""
+    return torch.device(device).type == "cpu" and cpu_kernels.load_kernels() is not None
+
+
 def supported_activation_dtypes(method: str, device: torch.device | str) -> tuple[torch.dtype, ...]:
     """The activation dtypes `method` ("int8", "int4" or "gguf", which runs int4's kernels)
     has a kernel for on `device`; () where it has none."""
     scheme = "int4" if method == "gguf" else method
+    if scheme in ("int8", "int4") and uses_own_cpu_kernels(device):
+        return OWN_CPU_KERNEL_DTYPES
     return KERNEL_ACTIVATION_DTYPES.get(torch.device(device).type, {}).get(scheme, ())
 
 
@@ -205,7 +220,7 @@ def resolve_dtype(
     if quantization is None:
         return resolved
     supported = supported_activation_dtypes(quantization, device)
-    if dtype == "auto" and supported and resolved not in supported:
+    if dtype == "auto" and supported:  # the fastest, listed first
         return supported[0]
     if resolved not in supported:
         names = ", ".join(str(d).removeprefix("torch.") for d in supported) or "none"

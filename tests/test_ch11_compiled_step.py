@@ -201,11 +201,12 @@ def test_attention_outside_a_forward_context_is_an_error():
 def test_a_compiled_int8_engine_compiles_nothing_at_its_first_prompt(
     tiny_model_dirs, chat_prompts, monkeypatch
 ):
-    """Chapter 12's int8 layers choose their kernel by the number of rows, so the graph of two
-    or more tokens is guarded on it: the engine's start traces the prompt-sized side too, and no
-    request waits for a compile. The compiled engine's tokens are the eager one's (in float32,
-    admitted here: an engine refuses it for int8 on the CPU for its speed, and bfloat16's
-    roundings differ between compiled and eager code)."""
+    """Chapter 12's int8 layers choose their product by the number of rows (minivllm's inside
+    one opaque operator; PyTorch's, where ours did not build, in the graph, which is then
+    guarded on it): the engine's start traces a prompt-sized count too, and no request waits
+    for a compile. The compiled engine's tokens are the eager one's (in float32, admitted here
+    for PyTorch's kernels, which an engine refuses it for; bfloat16's roundings differ between
+    compiled and eager code)."""
     from torch._dynamo.utils import counters
 
     from minivllm.config import KERNEL_ACTIVATION_DTYPES

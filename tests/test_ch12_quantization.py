@@ -17,7 +17,9 @@ import os
 import shutil
 import sys
 import weakref
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -27,11 +29,27 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minivllm import LLM, SamplingParams
+from minivllm import LLM, SamplingParams, cpu_kernels
 from minivllm.models import quantization as q
 from minivllm.models.loader import embedded_gguf_path, load_model
 
 DTYPES = (torch.float32, torch.bfloat16)
+
+
+# Which CPU products the layers get: minivllm's own (the default, where they build) or PyTorch's
+# (where they cannot be built; CUDA's kernels are PyTorch's too).
+CPU_KERNELS = ("own", "pytorch")
+
+
+@contextmanager
+def cpu_kernels_of(which: str):
+    """Layers and engines made inside use `which` of CPU_KERNELS."""
+    if which == "own":
+        assert cpu_kernels.load_kernels() is not None, "the C++ CPU kernels did not build"
+        yield
+        return
+    with mock.patch.object(cpu_kernels, "load_kernels", lambda: None):
+        yield
 
 
 # Constants far outside trained weights' ranges: subnormal, below the smallest normal scale,
@@ -102,27 +120,36 @@ def test_int4_levels_span_each_groups_range_in_15_steps(case):
     torch.testing.assert_close(back.reshape(groups.shape).amax(-1), groups.amax(-1))
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(
     case=weights(),
     num_rows=st.sampled_from([1, 3, 17]),
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 100),
+    kernels=st.sampled_from(CPU_KERNELS),
 )
-def test_quantized_products_are_products_with_the_dequantized_weight(case, num_rows, dtype, seed):
-    """Each product (CPU int8 and int4: the kernels in bfloat16, the reference in float32)
-    against x @ dequantized_weight.T in float64, within the rounding of the activations'
-    dtype."""
+def test_quantized_products_are_products_with_the_dequantized_weight(
+    case, num_rows, dtype, seed, kernels
+):
+    """Each product on the CPU (int8 and int4; minivllm's kernels in both dtypes, PyTorch's in
+    bfloat16, the reference in float32) against x @ dequantized_weight.T in float64, within the
+    rounding of the activations' dtype."""
     weight, group_size = case
     x = torch.randn(num_rows, weight.shape[1], generator=torch.Generator().manual_seed(seed))
     x = x.to(dtype)
-    int8 = q.Int8Weight.from_float(weight.to(dtype))
-    int4 = q.Int4Weight.from_float(weight.to(dtype), group_size)
-    # The CPU kernel's packing tiles rows by 16, and it is fast for bfloat16 only.
-    has_kernel = weight.shape[0] % 16 == 0 and dtype == torch.bfloat16
-    assert int4.kernel == (
-        "aten._weight_int4pack_mm_for_cpu" if has_kernel else "dequantize + F.linear (reference)"
-    )
+    with cpu_kernels_of(kernels):
+        int8 = q.Int8Weight.from_float(weight.to(dtype))
+        int4 = q.Int4Weight.from_float(weight.to(dtype), group_size)
+    # PyTorch's int4 packing tiles rows by 16, and its kernel is fast for bfloat16 only; where
+    # it does not serve, minivllm's takes any shape of whole 32-weight groups, in both dtypes.
+    if weight.shape[0] % 16 == 0 and dtype == torch.bfloat16:
+        assert int4.kernel == "aten._weight_int4pack_mm_for_cpu"
+    elif kernels == "own":
+        assert int4.kernel == "minivllm_cpu.int4_gemv"
+    else:
+        assert int4.kernel == "dequantize + F.linear (reference)"
+    if kernels == "own":
+        assert int8.kernel == "minivllm_cpu.int8_gemv"
     expected8 = x.double() @ q.dequantize_int8(*q.quantize_int8(weight.to(dtype))).double().T
     expected4 = (
         x.double()
@@ -137,15 +164,28 @@ def test_quantized_products_are_products_with_the_dequantized_weight(case, num_r
 
 
 def test_int4_reference_path_where_no_kernel_fits():
-    """A layout the kernels do not take (float16 on CUDA, float32 on the CPU, a shape the
-    packing does not tile, any device without a kernel) falls back to multiplying by the
-    dequantized weight; it is named as such."""
-    layout = q.int4_layout(torch.Size([64, 128]), 32, torch.float16, torch.device("cuda"))
-    assert layout.kernel == "reference"
-    assert q.int4_layout(torch.Size([64, 128]), 32, torch.float32, "cpu").kernel == "reference"
-    assert q.int4_layout(torch.Size([64, 128]), 32, torch.bfloat16, "cpu").kernel == "cpu"
-    assert q.int4_layout(torch.Size([64, 128]), 32, torch.bfloat16, "cuda").kernel == "cuda"
-    assert q.int4_layout(torch.Size([60, 128]), 32, torch.bfloat16, "cuda").kernel == "reference"
+    """A layout the kernels do not take (float16 on CUDA or the CPU, groups that are not whole
+    32-weight blocks for minivllm's kernels, float32 or a shape the packing does not tile for
+    PyTorch's) falls back to multiplying by the dequantized weight; it is named as such."""
+
+    def kernel(rows: int, group: int, dtype: torch.dtype, device: str) -> str:
+        return q.int4_layout(torch.Size([rows, 128]), group, dtype, device).kernel
+
+    for which in CPU_KERNELS:  # CUDA's kernels are PyTorch's either way
+        with cpu_kernels_of(which):
+            assert kernel(64, 32, torch.float16, "cuda") == "reference"
+            assert kernel(64, 32, torch.bfloat16, "cuda") == "cuda"
+            assert kernel(60, 32, torch.bfloat16, "cuda") == "reference"
+            assert kernel(64, 32, torch.float16, "cpu") == "reference"
+    with cpu_kernels_of("own"):
+        assert kernel(64, 32, torch.float32, "cpu") == "minivllm"
+        assert kernel(64, 32, torch.bfloat16, "cpu") == "cpu"  # PyTorch's, faster there
+        assert kernel(60, 64, torch.bfloat16, "cpu") == "minivllm"
+        assert kernel(60, 16, torch.bfloat16, "cpu") == "reference"
+    with cpu_kernels_of("pytorch"):
+        assert kernel(64, 32, torch.float32, "cpu") == "reference"
+        assert kernel(64, 32, torch.bfloat16, "cpu") == "cpu"
+        assert kernel(60, 32, torch.bfloat16, "cpu") == "reference"
 
 
 def test_the_q4_1_reader_gives_the_files_own_weights(embedded_dir):
@@ -256,8 +296,9 @@ def file_scales_and_minimums(gguf_path: Path, names) -> tuple[torch.Tensor, torc
 
 def test_gguf_scales_are_the_files_and_rounded_once_for_the_kernel(tiny_model_dirs, tmp_path):
     """The file's float16 scales and minimums are read bit for bit (gate and up, stacked into
-    one layer); the bfloat16 kernel's (scale, zero) is then exactly bf16(d) and bf16(m + 8 d),
-    the one rounding Int4Weight's docstring names, and nothing else."""
+    one layer). minivllm's kernel (float32 here) keeps them so, in float16; PyTorch's
+    bfloat16 kernel's (scale, zero) is exactly bf16(d) and bf16(m + 8 d), the one rounding
+    Int4Weight's docstring names, and nothing else."""
     model_dir = tiny_model_with_gguf(tiny_model_dirs, "llama", "llama", tmp_path)
     gguf_path = model_dir / "model.Q4_1.gguf"
     d, m = file_scales_and_minimums(gguf_path, ["blk.1.ffn_gate.weight", "blk.1.ffn_up.weight"])
@@ -268,8 +309,18 @@ def test_gguf_scales_are_the_files_and_rounded_once_for_the_kernel(tiny_model_di
         )
         assert loaded.dtype == torch.float32 and torch.equal(loaded, file_part.float())
         assert torch.equal(loaded.half().view(torch.int16), file_part.view(torch.int16))
-    layer = load_model(model_dir, torch.bfloat16, quantization="gguf").model.layers[1].mlp
-    weight = layer.gate_up_proj.quantized
+
+    def gate_up(kernels: str, dtype: torch.dtype) -> q.Int4Weight:
+        with cpu_kernels_of(kernels):
+            model = load_model(model_dir, dtype, quantization="gguf")
+        return model.model.layers[1].mlp.gate_up_proj.quantized
+
+    own = gate_up("own", torch.float32)
+    assert own.layout.kernel == "minivllm"
+    assert own.scale.dtype == own.minimum.dtype == torch.float16
+    assert torch.equal(own.scale.view(torch.int16), d.view(torch.int16))
+    assert torch.equal(own.minimum.view(torch.int16), m.view(torch.int16))
+    weight = gate_up("pytorch", torch.bfloat16)
     assert weight.layout.kernel == "cpu"
     scale, zero = weight.scale_and_zero.unbind(-1)
     assert torch.equal(scale.t(), d.float().bfloat16())
@@ -301,25 +352,30 @@ def dequantized_hf_model(path, method: str):
     return model
 
 
+@pytest.mark.parametrize("kernels", CPU_KERNELS)
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_a_quantized_engine_computes_the_dequantized_model(
-    tiny_model_dirs, chat_prompts, method, monkeypatch
+    tiny_model_dirs, chat_prompts, method, kernels, monkeypatch
 ):
     """Greedy tokens of LLM(quantization=...) equal transformers' greedy tokens on the model
     whose weights are the dequantized ones (linear layers in the scheme, the embedding in
-    int8), batched, with chunked prefill. Compared in float32, which an engine refuses on the
-    CPU for its speed (PyTorch's kernels take a scalar loop there), so the test admits it."""
+    int8), batched, with chunked prefill, in float32. minivllm's kernels take float32; an
+    engine on PyTorch's refuses it on the CPU for its speed (they take a scalar loop there),
+    so the test admits it."""
     from minivllm.config import KERNEL_ACTIVATION_DTYPES
 
-    monkeypatch.setitem(KERNEL_ACTIVATION_DTYPES["cpu"], method, (torch.float32,))
+    if kernels == "pytorch":
+        monkeypatch.setitem(KERNEL_ACTIVATION_DTYPES["cpu"], method, (torch.float32,))
     path = tiny_model_dirs[ENGINE_TEST_FAMILY]
     reference = dequantized_hf_model(path, method)
-    llm = LLM(
-        model=str(path), dtype="float32", quantization=method, max_num_batched_tokens=32,
-        max_num_seqs=4, kv_cache_memory_bytes=2**22,
-    )  # fmt: skip
+    with cpu_kernels_of(kernels):
+        llm = LLM(
+            model=str(path), dtype="float32", quantization=method, max_num_batched_tokens=32,
+            max_num_seqs=4, kv_cache_memory_bytes=2**22,
+        )  # fmt: skip
     layers = llm.llm_engine.executor.driver_worker.model.model.layers
-    assert layers[0].mlp.down_proj.quantized.kernel.startswith("aten._weight_int")
+    kernel = layers[0].mlp.down_proj.quantized.kernel
+    assert kernel.startswith("minivllm_cpu." if kernels == "own" else "aten._weight_int")
     params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[EOS_TOKEN_ID])
     outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params)
     for prompt, output in zip(chat_prompts, outputs):
@@ -393,34 +449,49 @@ class OperatorsThatRan(TorchDispatchMode):
 MATRIX_PRODUCTS = {
     "aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm",
     "mkldnn::_linear_pointwise", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu",
+    "minivllm::int8_linear", "minivllm::int4_linear",
 }  # fmt: skip
 FLOAT_PRODUCTS = {"float32": {"mkldnn::_linear_pointwise"}, "bfloat16": {"mkldnn::_linear_pointwise"},
                   "float16": {"aten::linear"}}  # oneDNN on packed weights; float16: F.linear  # fmt: skip
 INT8, INT4 = "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu"
-# On the CPU, PyTorch's int8 and int4 kernels are fast for bfloat16 activations only: every
-# quantized engine runs bfloat16 ("auto" picks it), its tied embedding / LM head in int8.
-CPU_QUANTIZED_PRODUCTS = {"int8": {INT8}, "int4": {INT4, INT8}, "gguf": {INT4, INT8}}
+OWN_INT8, OWN_INT4 = "minivllm::int8_linear", "minivllm::int4_linear"
+SUPPORTED_DTYPES = {"own": ("bfloat16", "float32"), "pytorch": ("bfloat16",)}
 
 
+def cpu_quantized_products(kernels: str, quantization: str, dtype: str) -> set[str]:
+    """A quantized engine's products on the CPU, its tied embedding / LM head in int8: int8 on
+    minivllm's kernel where it built, int4 on PyTorch's in bfloat16 (the tiny model's widths
+    are multiples of 16) and on minivllm's in float32."""
+    int8 = OWN_INT8 if kernels == "own" else INT8
+    int4 = INT4 if dtype == "bfloat16" else OWN_INT4
+    return {int8} if quantization == "int8" else {int4, int8}
+
+
+@pytest.mark.parametrize("kernels", CPU_KERNELS)
 @pytest.mark.parametrize("quantization", [None, "int8", "int4", "gguf"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "auto"])
 def test_every_dtype_and_quantization_runs_a_kernel_or_is_refused(
-    tiny_model_dirs, tmp_path_factory, dtype, quantization
+    tiny_model_dirs, tmp_path_factory, dtype, quantization, kernels
 ):
-    """LLM(dtype=, quantization=) on the CPU either refuses the pair, naming the dtype it
+    """LLM(dtype=, quantization=) on the CPU either refuses the pair, naming the dtypes it
     supports, or decodes with the pair's kernel: every matrix product of a one-token step is
-    that kernel's, none a reference product on a dequantized weight (int8 past
+    that kernel's, none a reference product on a dequantized weight (PyTorch's int8 past
     INT8_FUSED_MAX_ROWS, or int4's reference layout, would show as aten::linear)."""
     model_dir = tmp_path_factory.getbasetemp() / "with_gguf" / ENGINE_TEST_FAMILY
     if not model_dir.exists():
         tiny_model_with_gguf(tiny_model_dirs, ENGINE_TEST_FAMILY, "llama", model_dir.parent)
     engine_settings = dict(dtype=dtype, quantization=quantization, enforce_eager=True,
                     kv_cache_memory_bytes=2**22)  # fmt: skip
-    if quantization is not None and dtype in ("float32", "float16"):
-        with pytest.raises(ValueError, match=f"dtype {dtype} has no .* supported there: bfloat16"):
-            LLM(model=str(model_dir), **engine_settings)
-        return
-    llm = LLM(model=str(model_dir), **engine_settings)
+    supported = SUPPORTED_DTYPES[kernels]
+    with cpu_kernels_of(kernels):
+        if quantization is not None and dtype not in (*supported, "auto"):
+            names = ", ".join(supported)
+            with pytest.raises(
+                ValueError, match=f"dtype {dtype} has no .* supported there: {names}$"
+            ):
+                LLM(model=str(model_dir), **engine_settings)
+            return
+        llm = LLM(model=str(model_dir), **engine_settings)
     model = llm.llm_engine.executor.driver_worker.model
     expected_dtype = "float32" if dtype == "auto" and quantization is None else dtype
     expected_dtype = "bfloat16" if expected_dtype == "auto" else expected_dtype
@@ -430,7 +501,7 @@ def test_every_dtype_and_quantization_runs_a_kernel_or_is_refused(
         llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)
     expected = (
         FLOAT_PRODUCTS[expected_dtype] if quantization is None
-        else CPU_QUANTIZED_PRODUCTS[quantization]
+        else cpu_quantized_products(kernels, quantization, expected_dtype)
     )  # fmt: skip
     assert ran.names & MATRIX_PRODUCTS == expected
 
@@ -440,13 +511,14 @@ def test_every_dtype_and_quantization_runs_a_kernel_or_is_refused(
     [(1, True), (q.INT8_FUSED_MAX_ROWS, True), (q.INT8_FUSED_MAX_ROWS + 1, False), (64, False)],
 )
 def test_int8_products_switch_kernel_past_the_fused_rows_and_copy_the_weight_once(num_rows, fused):
-    """Up to INT8_FUSED_MAX_ROWS rows the fused kernel reads the int8 weight and no float copy
-    of it is made; past them the float product multiplies one copy converted to bfloat16 (the
-    scales applied to its output, not a second, scaled copy). Both are the product with the
-    dequantized weight."""
+    """On PyTorch's kernels: up to INT8_FUSED_MAX_ROWS rows the fused kernel reads the int8
+    weight and no float copy of it is made; past them the float product multiplies one copy
+    converted to bfloat16 (the scales applied to its output, not a second, scaled copy). Both
+    are the product with the dequantized weight."""
     weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(1))
     x = torch.randn(num_rows, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
-    int8 = q.Int8Weight.from_float(weight.bfloat16())
+    with cpu_kernels_of("pytorch"):
+        int8 = q.Int8Weight.from_float(weight.bfloat16())
     with OperatorsThatRan() as ran:
         out = int8.matmul(x)
     products = ran.names & MATRIX_PRODUCTS

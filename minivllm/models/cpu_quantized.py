@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from minivllm import cpu_kernels
+from minivllm.utils import define_operator
 
 GEMV_MAX_ROWS = 8  # the C++ product's register blocking; more rows take the tiled product
 TILE_ROWS = 4096  # output columns dequantized at a time: 4.5 MiB of bfloat16 for K = 576
@@ -101,3 +102,25 @@ def tiled_linear(x: torch.Tensor, columns: int, dequantize_tile) -> torch.Tensor
         dequantize_tile(tile, begin)
         out[:, begin : begin + tile.shape[0]] = F.linear(x, tile)
     return out
+
+
+# The products as operators of their own, which `Int4Weight`/`Int8Weight` call: the compiled
+# model (chapter 11) sees each as one opaque call whose result has a known shape, and the
+# choice by row count is made inside it when it runs, so no graph is guarded on the rows.
+def _linear_result(x: torch.Tensor, weight: torch.Tensor, *_: object) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+define_operator(
+    "minivllm::int4_linear",
+    "(Tensor x, Tensor packed, Tensor scale, Tensor minimum, bool int8_activations=False)"
+    " -> Tensor",
+    int4_linear,
+    _linear_result,
+)
+define_operator(
+    "minivllm::int8_linear",
+    "(Tensor x, Tensor q, Tensor scale, bool int8_activations=False) -> Tensor",
+    int8_linear,
+    _linear_result,
+)

@@ -17,15 +17,18 @@ gets its own scale and minimum. That is llama.cpp's Q4_1 layout, the one the emb
 GGUF file ships in (`load_gguf_linear_weights`), so minivllm can run the file's own 4-bit
 weights.
 
-The products dequantize inside the kernel: PyTorch's `_weight_int8pack_mm` (CPU and CUDA) and
-its int4 kernels (`_weight_int4pack_mm_for_cpu`; tinygemm's `_weight_int4pack_mm` on CUDA)
-read the small integers and their scales and never write a float copy of the weight. They are
-fast for some activation dtypes only (`config.KERNEL_ACTIVATION_DTYPES`: bfloat16 on the CPU),
-and an engine refuses the others. int8 products of more than INT8_FUSED_MAX_ROWS rows convert
-the weight once per call for the float product. Where no kernel fits, the layers multiply by a
-dequantized copy made per call: correct and slow, the tests' reference; `kernel` says which
-ran. The tinygemm kernels store a group as (scale, zero) with w = (q - 8) * scale + zero, so
-zero = minimum + 8 * scale.
+The products dequantize inside the kernel and never write a float copy of the weight. On a CPU
+minivllm has its own (`cpu_quantized.py`, C++ built with chapter 06's kernel: a product that
+reads the integers for a decode's few rows, a tiled one for many), fast in float32 and bfloat16:
+they multiply every int8 weight, and the int4 weights PyTorch's kernel does not take. PyTorch's
+`_weight_int8pack_mm` and its int4 kernels (`_weight_int4pack_mm_for_cpu`; tinygemm's
+`_weight_int4pack_mm` on CUDA) read the small integers and their scales; they are fast for some
+activation dtypes only (`config.KERNEL_ACTIVATION_DTYPES`: bfloat16 on the CPU), and an engine
+with no other kernel refuses the others. Where they are used, int8 products of more than
+INT8_FUSED_MAX_ROWS rows convert the weight once per call for the float product. Where no kernel
+fits, the layers multiply by a dequantized copy made per call: correct and slow, the tests'
+reference; `kernel` says which ran. The tinygemm kernels store a group as (scale, zero) with w =
+(q - 8) * scale + zero, so zero = minimum + 8 * scale.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minivllm.config import supported_activation_dtypes
+from minivllm.config import (
+    KERNEL_ACTIVATION_DTYPES,
+    supported_activation_dtypes,
+    uses_own_cpu_kernels,
+)
+from minivllm.models import cpu_quantized
 
 INT4_GROUP_SIZE = 32  # weights per scale and minimum: Q4_1's block
 SMALLEST_SCALE = torch.finfo(torch.float32).tiny  # the smallest normal float32, 1.2e-38
@@ -105,15 +113,21 @@ INT8_FUSED_MAX_ROWS = 16
 
 
 class Int8Weight:
-    """An int8 weight [N, K] with one scale per row, multiplied by `_weight_int8pack_mm` (it
-    reads the int8 values and applies the row's scale to each output) for a few rows, and for
-    more rows (or a dtype the kernel is not fast for) by the float product on the weight
+    """An int8 weight [N, K] with one scale per row. On a CPU where chapter 12's own kernels
+    built, `cpu_quantized.int8_linear` multiplies it: a product that reads the int8 values for
+    a few rows, a tiled one for many (see that module). Elsewhere `_weight_int8pack_mm` reads
+    the int8 values and applies the row's scale to each output for a few rows, and for more
+    rows (or a dtype that kernel is not fast for) the float product runs on the weight
     converted to the activations' dtype, the scales applied to its output: one float copy of
     the weight per call."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
         self.q = q
-        self.scale = scale.to(dtype)  # the kernel wants the activations' dtype
+        self.dtype = dtype
+        self.own_kernel = uses_own_cpu_kernels(q.device)
+        # minivllm's kernels read float32 scales (exactly the quantizer's); PyTorch's want the
+        # activations' dtype.
+        self.scale = scale.float() if self.own_kernel else scale.to(dtype)
         self.has_fused_kernel = dtype in supported_activation_dtypes("int8", q.device)
 
     @classmethod
@@ -131,13 +145,18 @@ class Int8Weight:
     @property
     def kernel(self) -> str:
         """What multiplies a decode step's few rows."""
+        if self.own_kernel:
+            return "minivllm_cpu.int8_gemv"
         if self.has_fused_kernel:
             return "aten._weight_int8pack_mm"
         return "F.linear on the weight in the activations' dtype"
 
     def product_for(self, num_rows: int) -> str:
-        """Which product multiplies `num_rows` rows of activations: "fused" (the kernel reads
-        the int8 weight) or "dequantized" (the float product on the weight converted)."""
+        """Which product multiplies `num_rows` rows of activations: "own" (minivllm's kernels,
+        which choose by the row count themselves), "fused" (PyTorch's kernel reads the int8
+        weight) or "dequantized" (the float product on the weight converted)."""
+        if self.own_kernel:
+            return "own"
         if self.has_fused_kernel and num_rows <= INT8_FUSED_MAX_ROWS:
             return "fused"
         return "dequantized"
@@ -145,7 +164,10 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T for x [..., K]."""
         flat = x.reshape(-1, x.shape[-1])
-        if self.product_for(flat.shape[0]) == "fused":
+        product = self.product_for(flat.shape[0])
+        if product == "own":
+            out = torch.ops.minivllm.int8_linear(flat, self.q, self.scale)
+        elif product == "fused":
             out = torch.ops.aten._weight_int8pack_mm(flat, self.q, self.scale)
         else:  # (x @ q.T) * scale is x @ (q * scale).T: the scales touch the output only
             out = F.linear(flat, self.q.to(x.dtype)) * self.scale
@@ -153,28 +175,34 @@ class Int8Weight:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Dequantized rows `ids`: an embedding lookup from the same table."""
-        return self.q[ids].to(self.scale.dtype) * self.scale[ids, None]
+        return (self.q[ids].to(self.scale.dtype) * self.scale[ids, None]).to(self.dtype)
 
 
 @dataclass(frozen=True)
 class Int4Layout:
     """Which kernel multiplies an int4 weight, and the packing it reads."""
 
-    kernel: str  # "cpu", "cuda" (tinygemm) or "reference"
+    kernel: str  # "minivllm" (our own, CPU), "cpu" (PyTorch's), "cuda" (tinygemm) or "reference"
     inner_k_tiles: int = 0  # tinygemm's packing: K must be a multiple of inner_k_tiles * 16
 
 
 def int4_layout(shape: torch.Size, group_size: int, dtype: torch.dtype, device) -> Int4Layout:
-    """A kernel for a dtype of config.KERNEL_ACTIVATION_DTYPES, where the shape fits it: the CPU
-    kernel needs N a multiple of 16 (its packing tiles the rows by 16) and any K that groups
-    divide; tinygemm on CUDA N a multiple of 8, groups of 32-256 and K a multiple of 32 (its
-    packing tiles K by 16 x inner_k_tiles). Anything else: the reference product."""
+    """A kernel for a dtype `config.supported_activation_dtypes` names, where the shape fits
+    it. On a CPU, PyTorch's kernel for bfloat16 where N is a multiple of 16 (its packing tiles
+    the rows by 16; any K that groups divide): at a decode's few rows it is faster than ours
+    (the 49152 x 576 LM head, one row, two threads: 1.08 against 1.57 ms), which serves float32
+    and any N, in groups of whole 32-weight blocks. tinygemm on CUDA needs N a multiple of 8,
+    groups of 32-256 and K a multiple of 32 (its packing tiles K by 16 x inner_k_tiles).
+    Anything else: the reference product."""
     rows, columns = shape
     device = torch.device(device)
     if dtype not in supported_activation_dtypes("int4", device):
         return Int4Layout("reference")
     if device.type == "cpu":
-        return Int4Layout("cpu" if rows % 16 == 0 else "reference")
+        if dtype in KERNEL_ACTIVATION_DTYPES["cpu"]["int4"] and rows % 16 == 0:
+            return Int4Layout("cpu")
+        own_fits = uses_own_cpu_kernels(device) and group_size % 32 == 0
+        return Int4Layout("minivllm" if own_fits else "reference")
     if device.type == "cuda" and rows % 8 == 0 and group_size >= 32:
         for tiles in (8, 4, 2):
             if columns % (tiles * 16) == 0:
@@ -182,12 +210,24 @@ def int4_layout(shape: torch.Size, group_size: int, dtype: torch.dtype, device) 
     return Int4Layout("reference")
 
 
+def narrowest_exact_floats(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors in float16 if every value of every one is a float16 number exactly (the
+    round trip changes nothing), else in float32."""
+    as_half = [t.half() for t in tensors]
+    if all(torch.equal(h.float(), t.float()) for h, t in zip(as_half, tensors)):
+        return tuple(as_half)
+    return tuple(t.float() for t in tensors)
+
+
 class Int4Weight:
     """A group-wise int4 weight [N, K], packed once for the device's kernel (two values a
     byte); only the packed values and each group's scale and zero are kept.
 
-    The kernels read the scale and zero in the activations' dtype, so those two numbers are
-    rounded to it once, here: with bfloat16 activations a group's weights are
+    minivllm's CPU kernel reads Q4_1's layout (`cpu_quantized.pack_int4_blocks`) with each
+    group's scale and minimum as they are: in float16 where both are float16 numbers exactly (a
+    GGUF file's, half the bytes), in float32 otherwise; nothing is rounded. PyTorch's kernels
+    read a scale and zero in the activations' dtype, so those two numbers are rounded to it
+    once, here: with bfloat16 activations a group's weights are
     (q - 8) * bf16(scale) + bf16(minimum + 8 * scale), the zero summed in float32 first. The
     levels q are kept exactly; the reference layout keeps scale and minimum as given."""
 
@@ -205,6 +245,10 @@ class Int4Weight:
         self.layout = int4_layout(q.shape, group_size, dtype, q.device)
         if self.layout.kernel == "reference":
             self.q, self.scale, self.minimum = q, scale, minimum
+            return
+        if self.layout.kernel == "minivllm":
+            self.packed = cpu_quantized.pack_int4_blocks(q)
+            self.scale, self.minimum = narrowest_exact_floats(scale, minimum)
             return
         # tinygemm's (scale, zero) per group, [K / group, N, 2]: w = (q - 8) * scale + zero.
         zero = minimum + 8 * scale
@@ -224,6 +268,7 @@ class Int4Weight:
     @property
     def kernel(self) -> str:
         return {
+            "minivllm": "minivllm_cpu.int4_gemv",
             "cpu": "aten._weight_int4pack_mm_for_cpu",
             "cuda": "aten._weight_int4pack_mm (tinygemm)",
             "reference": "dequantize + F.linear (reference)",
@@ -233,12 +278,16 @@ class Int4Weight:
     def nbytes(self) -> int:
         if self.layout.kernel == "reference":
             return self.q.nbytes + self.scale.nbytes + self.minimum.nbytes
+        if self.layout.kernel == "minivllm":
+            return self.packed.nbytes + self.scale.nbytes + self.minimum.nbytes
         return self.packed.nbytes + self.scale_and_zero.nbytes
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x @ w.T for x [..., K]."""
         flat = x.reshape(-1, x.shape[-1])
-        if self.layout.kernel == "cpu":
+        if self.layout.kernel == "minivllm":
+            out = torch.ops.minivllm.int4_linear(flat, self.packed, self.scale, self.minimum)
+        elif self.layout.kernel == "cpu":
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 flat, self.packed, self.group_size, self.scale_and_zero
             )
