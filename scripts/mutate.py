@@ -1,0 +1,251 @@
+"""Mutation testing of the engine's core packages: how many small bugs do the tests catch?
+
+    python scripts/mutate.py                 # every group, then mutation-scores.md
+    python scripts/mutate.py spec_decode     # one group (the others keep their last scores)
+    python scripts/mutate.py --report        # rewrite mutation-scores.md from the last runs
+
+The tool is mutmut 3 (cosmic-ray was the other candidate). mutmut writes every mutant of a
+file into one copy of it, behind a "trampoline" that picks the active mutant from an
+environment variable, and it records which tests run each function; so a mutant costs one
+fork and the few tests that reach it, with no rewrite or reimport of the package. cosmic-ray
+rewrites the module for every mutant and runs the whole test command each time, which on a
+two-core machine is hours more for the same count. mutmut also keeps its results between
+runs: a rerun tests only the functions that changed.
+
+Each group mutates its own modules against its own fast unit tests (GROUPS below), not the
+whole suite: a mutant must be caught by the tests written for that code. mutmut reads its
+settings from the pyproject.toml of the directory it runs in, so each group runs in a
+directory of its own, build/mutate/<group>/, whose pyproject.toml holds that group's
+[tool.mutmut] section next to the project's pytest settings; minivllm/ and tests/ are links
+to the checkout's, which mutmut copies into build/mutate/<group>/mutants/.
+
+The score of a module is killed / (mutants - equivalent): a mutant counts as killed when a
+test failed, timed out or crashed with it, and as not killed when the tests passed
+("survived") or none of the group's tests ran its function ("no tests"). An equivalent
+mutant changes no behaviour at all (EQUIVALENT below says why for each), so no test can
+kill it; it is left out of the count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / "build" / "mutate"
+SCORES_MD = ROOT / "mutation-scores.md"
+SCORES_JSON = ROOT / "mutation-scores.json"
+GOAL = 0.90
+
+# group -> (modules to mutate, the tests that run against them). The tests are the fast unit
+# tests of each package; the slow ones (a real model, a server, a notebook) are left out by
+# `-m "not slow"` below.
+GROUPS: dict[str, tuple[list[str], list[str]]] = {
+    "spec_decode": (["minivllm/spec_decode/*.py"], ["tests/test_ch08_spec_decode.py"]),
+    "structured_output": (
+        ["minivllm/structured_output/*.py"],
+        ["tests/test_ch10_structured_outputs.py"],
+    ),
+    "sample": (
+        ["minivllm/sample/*.py"],
+        ["tests/test_sampling.py", "tests/test_logit_bias_and_logprobs_mode.py"],
+    ),
+    "core": (
+        ["minivllm/core/*.py"],
+        ["tests/test_request.py", "tests/test_ch03_paged.py", "tests/test_ch05_prefix_cache.py"],
+    ),
+    "engine": (
+        ["minivllm/engine/*.py"],
+        [
+            "tests/test_ch04_engine.py",
+            "tests/test_engine_failures.py",
+            "tests/test_engine_review_2.py",
+            "tests/test_ch09_async_engine.py",
+        ],
+    ),
+    "quantization": (["minivllm/models/quantization.py"], ["tests/test_ch12_quantization.py"]),
+}
+
+# Mutants that change nothing a caller can observe, by mutmut's name -> why. They are listed
+# in the score file and left out of the score.
+EQUIVALENT: dict[str, str] = {}
+
+# mutmut's exit codes (mutmut/stats.py): a failing test (1), pytest's internal error (3), a
+# timeout (SIGXCPU: 24, -24, 152, 255, or 36) or a crash (-11, -9) all kill the mutant.
+KILLED_CODES = {1, 3, 24, -24, 152, 255, 36, -11, -9}
+SURVIVED_CODES = {0}
+NO_TESTS_CODES = {5, 33}
+
+
+def test_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        MINIVLLM_QUICK="1",
+        MINIVLLM_ENFORCE_EAGER="1",
+        # One worker and one thread: mutants run one after another, each on a single core.
+        OMP_NUM_THREADS="1",
+        OMP_WAIT_POLICY="PASSIVE",
+        MKL_NUM_THREADS="1",
+        # Tiny models are made once and copied, not made again for every mutant.
+        PYTEST_PLUGINS="mutate_plugin",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "scripts"), env.get("PYTHONPATH")])),
+    )
+    return env
+
+
+def toml_list(values: list[str]) -> str:
+    return "[" + ", ".join(json.dumps(v) for v in values) + "]"
+
+
+def prepare(group: str) -> Path:
+    """build/mutate/<group>/ with the group's pyproject.toml and links to the sources."""
+    modules, tests = GROUPS[group]
+    workdir = WORK / group
+    workdir.mkdir(parents=True, exist_ok=True)
+    for name in ("minivllm", "tests"):
+        link = workdir / name
+        if not link.is_symlink():
+            link.symlink_to(ROOT / name)
+    # The project's own pyproject.toml (pytest's settings and markers), then the group's
+    # [tool.mutmut] section: the checkout's file has none.
+    (workdir / "pyproject.toml").write_text(
+        (ROOT / "pyproject.toml").read_text() + "\n"
+        f"# Added by scripts/mutate.py for the group {group}.\n"
+        "[tool.mutmut]\n"
+        'source_paths = ["minivllm"]\n'
+        f"only_mutate = {toml_list(modules)}\n"
+        f"pytest_add_cli_args_test_selection = {toml_list(tests)}\n"
+        # No test that needs the embedded model or a server: those are minutes, not seconds.
+        'pytest_add_cli_args = ["-m", "not slow", "-p", "no:cacheprovider"]\n'
+        # The mutants' results depend on the sources and the tests only, not on git's state.
+        "use_git_change_detection = false\n"
+        # A mutant that loops for ever is stopped after 3 times its tests' CPU time, plus 15 s
+        # (mutmut's default, 30 times, is close to an hour for a group of slow tests).
+        "timeout_multiplier = 1.5\n"
+        "timeout_constant = 5.0\n"
+    )
+    return workdir
+
+
+def run_group(group: str) -> int:
+    workdir = prepare(group)
+    mutmut = Path(sys.executable).parent / "mutmut"
+    # --max-children 1: one mutant at a time (the machine is shared, and torch's threads are
+    # already limited to one by the environment).
+    command = [str(mutmut), "run", "--max-children", "1"]
+    print(f"== {group}: {' '.join(command)} (in {workdir.relative_to(ROOT)})", flush=True)
+    return subprocess.call(command, cwd=workdir, env=test_environment())
+
+
+def module_results(group: str) -> dict[str, dict[str, int]]:
+    """module path -> mutant name -> exit code, from mutmut's files of the last run."""
+    results: dict[str, dict[str, int]] = {}
+    mutants = WORK / group / "mutants"
+    for meta in sorted(mutants.rglob("*.py.meta")):
+        module = str(meta.relative_to(mutants)).removesuffix(".meta")
+        results[module] = json.loads(meta.read_text())["exit_code_by_key"]
+    return results
+
+
+def score_rows() -> list[dict]:
+    rows = []
+    for group in GROUPS:
+        for module, codes in module_results(group).items():
+            killed = [m for m, c in codes.items() if c in KILLED_CODES]
+            equivalent = [m for m in codes if m in EQUIVALENT]
+            survived = [m for m, c in codes.items() if c in SURVIVED_CODES and m not in EQUIVALENT]
+            no_tests = [m for m, c in codes.items() if c in NO_TESTS_CODES and m not in EQUIVALENT]
+            other = [
+                m
+                for m, c in codes.items()
+                if m not in killed and m not in equivalent and m not in survived + no_tests
+            ]
+            counted = len(codes) - len(equivalent)
+            rows.append(
+                dict(
+                    group=group,
+                    module=module,
+                    mutants=len(codes),
+                    killed=len(killed),
+                    survived=sorted(survived),
+                    no_tests=sorted(no_tests),
+                    not_checked=sorted(other),
+                    equivalent=sorted(equivalent),
+                    score=len(killed) / counted if counted else 1.0,
+                )
+            )
+    return rows
+
+
+def write_report() -> None:
+    rows = score_rows()
+    SCORES_JSON.write_text(json.dumps(rows, indent=1) + "\n")
+    lines = [
+        "# Mutation scores",
+        "",
+        "Written by `make mutate` (scripts/mutate.py, mutmut 3): each module's mutants against",
+        "the fast unit tests of its group. Score = killed / (mutants - equivalent); the goal is",
+        f"{GOAL:.0%} for every module.",
+        "",
+        "| group | module | mutants | killed | survived | no tests | equivalent | score |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        mark = "" if r["score"] >= GOAL else " (below goal)"
+        lines.append(
+            f"| {r['group']} | `{r['module']}` | {r['mutants']} | {r['killed']} |"
+            f" {len(r['survived'])} | {len(r['no_tests'])} | {len(r['equivalent'])} |"
+            f" {r['score']:.1%}{mark} |"
+        )
+    lines += ["", "## Mutants not killed", ""]
+    for r in rows:
+        left = r["survived"] + r["no_tests"] + r["not_checked"]
+        if not left:
+            continue
+        lines.append(f"- `{r['module']}`: " + ", ".join(f"`{m}`" for m in left))
+    if EQUIVALENT:
+        lines += ["", "## Equivalent mutants", ""]
+        lines += [f"- `{name}`: {why}" for name, why in sorted(EQUIVALENT.items())]
+    lines += [
+        "",
+        "`cd build/mutate/<group> && ../../../.venv/bin/mutmut show <mutant>` prints a mutant's",
+        "diff.",
+        "",
+    ]
+    SCORES_MD.write_text("\n".join(lines))
+    for r in rows:
+        print(f"{r['score']:7.1%}  {r['module']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("groups", nargs="*", help=f"default: all of {', '.join(GROUPS)}")
+    parser.add_argument("--report", action="store_true", help="only rewrite the score files")
+    parser.add_argument("--clean", action="store_true", help="forget the results of past runs")
+    args = parser.parse_args()
+    groups = args.groups or list(GROUPS)
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        parser.error(
+            f"unknown group(s) {', '.join(sorted(unknown))}; there are {', '.join(GROUPS)}"
+        )
+    if args.clean:
+        for group in groups:
+            shutil.rmtree(WORK / group, ignore_errors=True)
+    status = 0
+    if not args.report:
+        for group in groups:
+            status |= run_group(group)
+    write_report()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
