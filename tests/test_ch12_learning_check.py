@@ -80,3 +80,39 @@ def test_the_check_fails_on_a_typical_mistake(mistake, words):
     result = run_check(NAME, mistake)
     assert not result.passed
     assert words in result.report
+
+
+# --- Q4_1's nibble order -------------------------------------------------------------------------
+
+PACK = "ch12.pack_q4_1"
+
+
+def _pack_neighbours(q):
+    """Levels 2j and 2j + 1 in one byte: the order most people guess first."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def _pack_high_first(q):
+    """Q4_1's pairs, level j in the high nibble instead of the low one."""
+    rows, columns = q.shape
+    halves = q.to(torch.uint8).reshape(rows, columns // 32, 2, 16)
+    return ((halves[:, :, 0] << 4) | halves[:, :, 1]).reshape(rows, columns // 2)
+
+
+def test_the_packing_check_passes_on_minivllm():
+    assert_check(PACK, all_checks()[PACK].reference())
+
+
+@pytest.mark.parametrize(
+    "mistake, words",
+    [
+        (_pack_neighbours, "neighbours 2j and 2j + 1"),
+        (_pack_high_first, "the low 4 bits hold level j"),
+    ],
+    ids=["neighbours", "high-first"],
+)
+def test_the_packing_check_fails_on_a_typical_mistake(mistake, words):
+    result = run_check(PACK, mistake)
+    assert not result.passed
+    assert words in result.report

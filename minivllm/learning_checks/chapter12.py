@@ -7,6 +7,10 @@ maximum, in 15 steps of scale = (maximum - minimum) / 15: the weight w becomes t
 q = round((w - minimum) / scale) in 0..15, and dequantizes to q * scale + minimum, at most half
 a step from w. A group whose weights are all equal has no range (scale 0): any scale with q = 0
 gives it back exactly, w = minimum.
+
+The second check packs the levels as llama.cpp's Q4_1 blocks hold them, two a byte: the 32
+levels of a block in 16 bytes, byte j holding level j in its low nibble and level j + 16 in its
+high one (not neighbours 2j and 2j + 1, the order most people guess first).
 """
 
 from __future__ import annotations
@@ -200,6 +204,77 @@ def check_quantize_int4(quantize_int4) -> None:
                 f"than half a step (scale / 2 = {step[row, group].item() / 2:.3g}); the "
                 f"nearest level is {nearest[row, group, i].item():g}: q = round((w - minimum) "
                 "/ scale), not floor, clamped to 0..15"
+            )
+
+    property_()
+
+
+@st.composite
+def int4_levels(draw):
+    """Levels [rows, blocks * 32] of 0..15, uint8."""
+    rows, blocks = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    return torch.randint(0, 16, (rows, blocks * 32), generator=generator, dtype=torch.uint8)
+
+
+def _our_pack_q4_1():
+    from minivllm.models.cpu_quantized import pack_int4_blocks
+
+    return pack_int4_blocks
+
+
+def _byte_of(row: int, column: int) -> str:
+    block, j = divmod(column, 16)
+    return f"row {row}, byte {column} (block {block}, byte {j} of its 16)"
+
+
+@learning_check(
+    "ch12.pack_q4_1",
+    signature="pack_q4_1(q: Tensor[N, K] uint8 levels 0..15, K a multiple of 32) -> Tensor[N, "
+    "K // 2] uint8: each block of 32 levels along a row in 16 bytes, byte j holding level j "
+    "in its low 4 bits and level j + 16 in its high 4 bits",
+    reference=_our_pack_q4_1,
+)
+def check_pack_q4_1(pack_q4_1) -> None:
+    """Every byte of every block holds the two levels Q4_1 puts there, low nibble first."""
+
+    @check_settings(max_examples=40)
+    @given(q=int4_levels())
+    # One block of levels 0..15 then 15..0: every byte's two nibbles differ, and so do any two
+    # neighbours, so any other order shows at once.
+    @example(q=torch.cat([torch.arange(16), 15 - torch.arange(16)]).to(torch.uint8)[None])
+    def property_(q):
+        rows, columns = q.shape
+        packed = torch.as_tensor(pack_q4_1(q.clone()))
+        assert tuple(packed.shape) == (rows, columns // 2), (
+            f"packed has shape {tuple(packed.shape)}, expected {(rows, columns // 2)}: two "
+            f"levels a byte for q [{rows}, {columns}]"
+        )
+        packed = packed.to(torch.int64)
+        assert ((packed >= 0) & (packed <= 255)).all(), "packed must hold bytes, 0..255"
+        low, high = packed & 15, packed >> 4
+        blocks_of_q = q.to(torch.int64).reshape(rows, -1, 2, 16)  # [row, block, half, j]
+        expected_low = blocks_of_q[:, :, 0].reshape(rows, -1)
+        expected_high = blocks_of_q[:, :, 1].reshape(rows, -1)
+        wrong = (low != expected_low) | (high != expected_high)
+        if wrong.any():
+            row, column = wrong.nonzero()[0].tolist()
+            block, j = divmod(column, 16)
+            first = block * 32
+            hint = ""
+            if (
+                low[row, column] == q[row, first + 2 * j]
+                and high[row, column] == q[row, first + 2 * j + 1]
+            ):
+                hint = " (yours packs neighbours 2j and 2j + 1 together)"
+            elif low[row, column] == expected_high[row, column]:
+                hint = " (yours puts level j + 16 in the low nibble: the low 4 bits hold level j)"
+            raise AssertionError(
+                f"{_byte_of(row, column)} is {packed[row, column].item():#04x}: low nibble "
+                f"{low[row, column].item()}, high nibble {high[row, column].item()}; Q4_1 puts "
+                f"level {first + j} (= {expected_low[row, column].item()}) in the low 4 bits and "
+                f"level {first + j + 16} (= {expected_high[row, column].item()}) in the high 4 "
+                f"bits{hint}"
             )
 
     property_()

@@ -1,4 +1,4 @@
-"""Chapter 12's solution: int4 group-wise quantization, there and back."""
+"""Chapter 12's solutions: int4 group-wise quantization, there and back, and Q4_1's packing."""
 
 import torch
 
@@ -19,3 +19,12 @@ def quantize_int4(weight, group_size):
         minimum,
         dequantized.reshape(rows, columns),
     )
+
+
+def pack_q4_1(q):
+    """Levels [N, K] (0..15) as Q4_1's bytes [N, K / 2]: in each block of 32, byte j holds level
+    j in its low nibble and level j + 16 in its high one."""
+    rows, columns = q.shape
+    blocks = q.to(torch.uint8).reshape(rows, columns // 32, 2, 16)  # [row, block, half, j]
+    first_half, second_half = blocks[:, :, 0], blocks[:, :, 1]
+    return (first_half | (second_half << 4)).reshape(rows, columns // 2)

@@ -56,6 +56,36 @@ inline void widen_int8_block(const int8_t* bytes, Vec* q) {
 #endif
 }
 
+// A group's 16 possible weights, level * scale + minimum for levels 0..15, as one float vector
+// (AVX512: 16 lanes): a block of the group is then dequantized by looking its 4-bit levels up
+// in it, one permute per 16 weights, with no integer-to-float conversion and no multiply.
+#if defined(CPU_CAPABILITY_AVX512)
+struct Int4Levels {
+  Vec levels;
+  Int4Levels() = default;
+  Int4Levels(float scale, float minimum)
+      : levels(at::vec::fmadd(Vec(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+                              Vec(scale), Vec(minimum))) {}
+};
+
+inline void dequantize_int4_block(const uint8_t* bytes, const Int4Levels& group, Vec* w) {
+  const __m512i all = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  w[0] = _mm512_permutexvar_ps(_mm512_and_si512(all, _mm512_set1_epi32(15)), group.levels);  // 0-15
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(all, 4), group.levels);                      // 16-31
+}
+#else  // narrower vectors hold fewer than 16 levels: widen the levels, then one multiply-add
+struct Int4Levels {
+  Vec scale, minimum;
+  Int4Levels() = default;
+  Int4Levels(float scale_, float minimum_) : scale(scale_), minimum(minimum_) {}
+};
+
+inline void dequantize_int4_block(const uint8_t* bytes, const Int4Levels& group, Vec* w) {
+  widen_int4_block(bytes, w);
+  for (int64_t v = 0; v < kBlockVecs; ++v) w[v] = at::vec::fmadd(w[v], group.scale, group.minimum);
+}
+#endif
+
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 // A block's 32 integers as bytes of one 256-bit register, in weight order, for the integer dot
 // products of `quantized_linear_int8_activations.cpp`.
@@ -74,15 +104,21 @@ inline __m256i int8_block_bytes(const int8_t* bytes) {
 #endif
 
 // The two weight formats, seen by the products through the same few questions: a block's
-// integers (as floats or as bytes), a group's scale and minimum. Products walk a row group by
-// group, so that a group's scale and minimum are read (and widened from float16) once.
+// integers (as bytes, for the integer products) or its float weights, a group's scale and
+// minimum. Products walk a row group by group, so that what a group needs is read (and
+// widened from float16) once: `group(col, g)`, handed to `dequantize` for each of its blocks.
+// An int8 row is one group whose scale multiplies the output (`output_scale`), not each weight.
 template <typename Scale>
 struct Int4Weight {
   const uint8_t* packed;  // [N, K / 2]
   const Scale *scales, *minimums;  // [N, groups]
   int64_t k, groups, blocks_per_group;
   const uint8_t* block(int64_t col, int64_t b) const { return packed + col * (k / 2) + b * (kBlock / 2); }
-  void widen(int64_t col, int64_t b, Vec* q) const { widen_int4_block(block(col, b), q); }
+  Int4Levels group(int64_t col, int64_t g) const { return {scale(col, g), minimum(col, g)}; }
+  void dequantize(int64_t col, int64_t b, const Int4Levels& group, Vec* w) const {
+    dequantize_int4_block(block(col, b), group, w);
+  }
+  float output_scale(int64_t) const { return 1.0f; }
 #ifdef MINIVLLM_INTEGER_BLOCKS
   __m256i bytes(int64_t col, int64_t b) const { return int4_block_bytes(block(col, b)); }
 #endif
@@ -94,7 +130,9 @@ struct Int8Weight {  // one group, the whole row
   const int8_t* q;  // [N, K]
   const float* scales;  // [N]
   int64_t k, groups, blocks_per_group;
-  void widen(int64_t col, int64_t b, Vec* out) const { widen_int8_block(q + col * k + b * kBlock, out); }
+  int group(int64_t, int64_t) const { return 0; }  // nothing per group: the scale is the row's
+  void dequantize(int64_t col, int64_t b, int, Vec* w) const { widen_int8_block(q + col * k + b * kBlock, w); }
+  float output_scale(int64_t col) const { return scales[col]; }
 #ifdef MINIVLLM_INTEGER_BLOCKS
   __m256i bytes(int64_t col, int64_t b) const { return int8_block_bytes(q + col * k + b * kBlock); }
 #endif

@@ -22,76 +22,46 @@ namespace {
 
 using namespace minivllm_quantized;  // the blocks of quantized_blocks.h
 
-// The activations as float32 rows, and each row's sum over every 32-weight block: the minimum of
-// an int4 group multiplies the sum of the activations it meets, once per block, not per weight.
-struct FloatRows {
-  at::Tensor values;  // [rows, K] float32
-  std::vector<float> block_sums;  // [rows, K / 32]
-};
-
-FloatRows as_float_rows(const at::Tensor& x) {
-  FloatRows rows{x.to(at::kFloat).contiguous(), {}};
-  const int64_t m = x.size(0), k = x.size(1), blocks = k / kBlock;
-  rows.block_sums.resize(m * blocks);
-  const float* values = rows.values.data_ptr<float>();
-  for (int64_t i = 0; i < m * blocks; ++i) {
-    float sum = 0.0f;
-    for (int64_t j = 0; j < kBlock; ++j) sum += values[i * kBlock + j];
-    rows.block_sums[i] = sum;
-  }
-  return rows;
-}
-
-// `Cols` output columns from `col` on, for `Rows` activation rows; both counts are template
-// arguments so that the Rows x Cols accumulators are registers. Per block: each column's weights
-// widened once, then for every row the block's dot product with its integers, scaled once by the
-// group's scale (the sum of x * (q * scale + minimum) is scale * sum(x * q) + minimum * sum(x)).
+// `Cols` output columns from `col` on, for `Rows` activation rows (x as float32); both counts
+// are template arguments so that the Rows x Cols accumulators are registers. Per block: each
+// column's 32 weights dequantized into registers once, then multiplied with every row.
 template <int64_t Rows, int64_t Cols, typename Weight, typename Out>
-void gemv_tile(const Weight weight, const float* values, const float* block_sums, Out* out,
-               int64_t n, int64_t col) {
-  const int64_t k = weight.k, blocks = k / kBlock;
+void gemv_tile(const Weight weight, const float* x, Out* out, int64_t n, int64_t col) {
+  const int64_t k = weight.k;
   Vec acc[Rows][Cols];
-  float minimum_terms[Rows][Cols] = {};
   for (int64_t r = 0; r < Rows; ++r)
     for (int64_t c = 0; c < Cols; ++c) acc[r][c] = Vec(0.0f);
   for (int64_t g = 0, b = 0; g < weight.groups; ++g) {
-    Vec scale[Cols];
-    float minimum[Cols];
-    for (int64_t c = 0; c < Cols; ++c)
-      scale[c] = Vec(weight.scale(col + c, g)), minimum[c] = weight.minimum(col + c, g);
+    decltype(weight.group(0, 0)) group[Cols];
+    for (int64_t c = 0; c < Cols; ++c) group[c] = weight.group(col + c, g);
     for (const int64_t group_end = b + weight.blocks_per_group; b < group_end; ++b) {
-      Vec q[Cols][kBlockVecs];
-      for (int64_t c = 0; c < Cols; ++c) weight.widen(col + c, b, q[c]);
-      for (int64_t r = 0; r < Rows; ++r) {
-        Vec xr[kBlockVecs];
-        for (int64_t v = 0; v < kBlockVecs; ++v) xr[v] = Vec::loadu(values + r * k + b * kBlock + v * Vec::size());
-        for (int64_t c = 0; c < Cols; ++c) {
-          Vec dot = q[c][0] * xr[0];
-          for (int64_t v = 1; v < kBlockVecs; ++v) dot = at::vec::fmadd(q[c][v], xr[v], dot);
-          acc[r][c] = at::vec::fmadd(dot, scale[c], acc[r][c]);
-          minimum_terms[r][c] += minimum[c] * block_sums[r * blocks + b];
+      Vec w[Cols][kBlockVecs];
+      for (int64_t c = 0; c < Cols; ++c) weight.dequantize(col + c, b, group[c], w[c]);
+      for (int64_t r = 0; r < Rows; ++r)
+        for (int64_t v = 0; v < kBlockVecs; ++v) {
+          const Vec xv = Vec::loadu(x + r * k + b * kBlock + v * Vec::size());
+          for (int64_t c = 0; c < Cols; ++c) acc[r][c] = at::vec::fmadd(w[c][v], xv, acc[r][c]);
         }
-      }
     }
   }
   for (int64_t r = 0; r < Rows; ++r)
     for (int64_t c = 0; c < Cols; ++c)
-      out[r * n + col + c] = static_cast<Out>(
-          at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc[r][c]) + minimum_terms[r][c]);
+      out[r * n + col + c] = static_cast<Out>(weight.output_scale(col + c) *
+                                              at::vec::vec_reduce_all<float>(std::plus<Vec>(), acc[r][c]));
 }
 
 // Threads take whole output columns; a grain of 16 columns keeps each thread on a long run of
 // the weight, read once, front to back.
 template <typename Weight>
 void gemv(at::Tensor& out, const at::Tensor& x, const Weight& weight, int64_t n) {
-  const FloatRows rows = as_float_rows(x);
+  const at::Tensor values = x.to(at::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, out.scalar_type(), "gemv", [&] {
     scalar_t* dst = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       with_row_count(x.size(0), [&](auto rows_) {
         for_column_tiles<decltype(rows_)::value>(begin, end, [&](auto cols_, int64_t col) {
-          gemv_tile<decltype(rows_)::value, decltype(cols_)::value>(
-              weight, rows.values.data_ptr<float>(), rows.block_sums.data(), dst, n, col);
+          gemv_tile<decltype(rows_)::value, decltype(cols_)::value>(weight, values.data_ptr<float>(), dst, n,
+                                                                    col);
         });
       });
     });
@@ -121,12 +91,12 @@ void dequantize(at::Tensor& out, const Weight& weight, int64_t row_begin, int64_
     at::parallel_for(0, out.size(0), 16, [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row)
         for (int64_t b = 0; b < weight.k / kBlock; ++b) {
-          Vec q[kBlockVecs];
-          weight.widen(row_begin + row, b, q);
-          const int64_t group = b / weight.blocks_per_group;
-          const Vec scale(weight.scale(row_begin + row, group)), minimum(weight.minimum(row_begin + row, group));
+          const auto group = weight.group(row_begin + row, b / weight.blocks_per_group);
+          const Vec row_scale(weight.output_scale(row_begin + row));
+          Vec w[kBlockVecs];
+          weight.dequantize(row_begin + row, b, group, w);
           float values[kBlock];
-          for (int64_t v = 0; v < kBlockVecs; ++v) at::vec::fmadd(q[v], scale, minimum).store(values + v * Vec::size());
+          for (int64_t v = 0; v < kBlockVecs; ++v) (w[v] * row_scale).store(values + v * Vec::size());
           for (int64_t j = 0; j < kBlock; ++j) dst[row * weight.k + b * kBlock + j] = static_cast<scalar_t>(values[j]);
         }
     });
