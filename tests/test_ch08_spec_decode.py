@@ -11,6 +11,7 @@ nothing is left after the requests end or are aborted.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,8 +26,10 @@ from minivllm.core.request import Request
 from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.models.tiny import make_tiny_model
+from minivllm.sample.sampler import Sampler, SamplingRow
 from minivllm.spec_decode.draft_model_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
+from minivllm.spec_decode.proposal import ProposalRequest
 from minivllm.spec_decode.rejection_sampler import draw, rejection_sample
 from minivllm.structured_output.manager import StructuredOutputManager, apply_token_bitmasks
 from minivllm.utils import cdiv
@@ -610,6 +613,65 @@ def test_the_draft_models_catch_up_stays_within_the_token_budget(
     assert max(sizes) <= budget
     assert sum(sizes) >= len(shared)  # the draft did read the prompt
     assert eng.scheduler.spec_decode_stats.num_accepted_tokens > 0
+
+
+def bare_draft_proposer(k: int = 3, max_num_tokens: int | None = None) -> DraftModelProposer:
+    """A draft proposer without a model, for its bookkeeping alone (no forward runs): blocks
+    of 4 slots, a sampler of its own."""
+    return DraftModelProposer(
+        model=SimpleNamespace(device=torch.device("cpu")),
+        kv_cache=SimpleNamespace(block_size=4),
+        attention_backend=None,
+        sampler=Sampler(),
+        num_speculative_tokens=k,
+        max_num_tokens=max_num_tokens,
+    )
+
+
+def proposal_request(num_tokens: int, num_draft_cached: int = 0, num_blocks: int = 1, **params):
+    params = SamplingParams(**({"temperature": 0.0} | params))
+    token_ids = list(range(10, 10 + num_tokens))
+    row = SamplingRow(params, token_ids, [], generator=None)
+    return ProposalRequest("r", token_ids, list(range(num_blocks)), num_draft_cached, row)
+
+
+def test_the_draft_reads_its_unread_tokens_in_batch_order_within_the_budget():
+    unread_5_3_2 = [proposal_request(9, 4), proposal_request(3), proposal_request(6, 4)]
+    assert bare_draft_proposer().catch_up_lengths(unread_5_3_2) == [5, 3, 2]  # no budget
+    assert bare_draft_proposer(max_num_tokens=6).catch_up_lengths(unread_5_3_2) == [5, 1, 0]
+    assert bare_draft_proposer(max_num_tokens=10).catch_up_lengths(unread_5_3_2) == [5, 3, 2]
+
+
+@pytest.mark.parametrize(
+    "num_tokens, num_blocks, fit",
+    # Guess j's K/V go at position n + j - 1: n tokens and k = 3 guesses need n + 2 slots.
+    [(5, 2, 3), (6, 2, 3), (7, 2, 2), (8, 2, 1), (9, 2, 0), (12, 2, 0), (8, 3, 3)],
+)
+def test_a_draft_guesses_only_as_far_as_its_blocks_reach(num_tokens, num_blocks, fit):
+    request = proposal_request(num_tokens, num_blocks=num_blocks)
+    assert bare_draft_proposer(k=3).num_guesses_that_fit(request) == fit
+
+
+VOCAB_OF_GUESS_TEST = 8
+
+
+def test_each_guess_is_drawn_with_the_requests_settings_and_a_dead_row_ends_alone():
+    """Row 0 greedy; row 1 all -inf (nothing to sample: its guesses end, not the batch's);
+    row 2 greedy with a presence penalty, after a first guess of 7: the penalty counts the
+    guesses as output, so 7 (3.0 - 2.0) loses to 3 (1.5)."""
+    proposer = bare_draft_proposer()
+    requests = [proposal_request(4), proposal_request(4), proposal_request(4, presence_penalty=2)]
+    guesses, probs = [[], [], [7]], [[], [], [torch.zeros(VOCAB_OF_GUESS_TEST)]]
+    logits = torch.zeros(3, VOCAB_OF_GUESS_TEST)
+    logits[0, 5] = 1.0
+    logits[1] = float("-inf")
+    logits[2, 7], logits[2, 3] = 3.0, 1.5
+    proposer.guess([0, 1, 2], logits, requests, guesses, probs)
+    assert guesses == [[5], [], [7, 3]]
+    assert [len(q) for q in probs] == [1, 0, 2]
+    assert torch.equal(probs[0][0], torch.eye(VOCAB_OF_GUESS_TEST)[5])  # greedy: one-hot q
+    proposer.guess([], logits[:0], requests, guesses, probs)  # nobody active: nothing drawn
+    assert guesses == [[5], [], [7, 3]]
 
 
 def test_memory_profiling_runs_the_draft_model_at_the_full_token_budget(tiny_model_dirs):
