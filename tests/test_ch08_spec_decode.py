@@ -65,6 +65,9 @@ def test_ngram_proposer_copies_what_followed_the_latest_longest_match():
     assert proposer.propose([3, 4, 3]) == [4, 3]
     assert proposer.propose([1, 2, 3]) == []  # no repeat
     assert NgramProposer(3, 2, 3).propose([5, 6, 1, 6]) == []  # only a 1-token match
+    # The longest match can be all but the last token (the suffix starts at token 1).
+    assert NgramProposer(3, 1, 3).propose([5, 5]) == [5]
+    assert NgramProposer(3, 2, 3).propose([7, 7, 7]) == [7]
 
 
 # --- the rejection sampler ----------------------------------------------------------------------
