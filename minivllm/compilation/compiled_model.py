@@ -1,11 +1,11 @@
 """Chapter 11 — the model compiled: one graph per shape family, fused by inductor.
 
-Eager PyTorch runs the model one operator at a time: for each of the ~400 operators of a step
+Eager PyTorch runs the model one operator at a time: for each of the ~1,600 operators of a step
 Python dispatches a call, and each elementwise one (a norm, the rotary rotation, SiLU times up,
 a residual add) reads and writes its whole tensor. `torch.compile` traces the forward once into
 a graph (dynamo), and inductor turns the graph into fused loops (C++ on a CPU, Triton on a
-GPU): a norm and the residual add before it become one pass over the hidden states, and the
-step's Python work shrinks to one call into generated code.
+GPU): a norm and the residual add before it become one kernel whose passes over a row find it
+in the cache, and the step's Python work shrinks to one call into generated code.
 
 Three decisions make one compilation serve every step:
 

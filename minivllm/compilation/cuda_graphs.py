@@ -1,7 +1,7 @@
 """Chapter 11 — CUDA graphs: a decode step recorded once per batch size, replayed every step.
 
-On a GPU the eager step is mostly waiting: a decode step of a 30-layer model launches about 400
-kernels, each costing the CPU a few microseconds to launch, while reading a small model's
+On a GPU the eager step is mostly waiting: a decode step of a 30-layer model launches about 1,100
+kernels (chapter 11 counts them), each costing the CPU a few microseconds to launch, while reading a small model's
 weights from HBM takes a few tens of microseconds in all. A CUDA graph records the kernels of one
 forward (their arguments are device addresses) and replays the whole sequence with one launch.
 
