@@ -26,11 +26,11 @@ from minivllm.core.request import Request
 from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.models.tiny import make_tiny_model
-from minivllm.sample.sampler import Sampler, SamplingRow
+from minivllm.sample.sampler import NOTHING_TO_SAMPLE, Sampler, SamplingRow
 from minivllm.spec_decode.draft_model_proposer import DraftModelProposer
 from minivllm.spec_decode.ngram_proposer import NgramProposer
 from minivllm.spec_decode.proposal import ProposalRequest
-from minivllm.spec_decode.rejection_sampler import draw, rejection_sample
+from minivllm.spec_decode.rejection_sampler import NothingToSample, draw, rejection_sample
 from minivllm.structured_output.manager import StructuredOutputManager, apply_token_bitmasks
 from minivllm.utils import cdiv
 
@@ -123,6 +123,64 @@ def test_greedy_rejection_keeps_the_argmax_and_adds_it_on_rejection():
     assert rejection_sample(target, [2, 3], None) == [2, 3, 1]  # both accepted + bonus
     assert rejection_sample(target, [2, 4], None) == [2, 3]  # second rejected: the argmax
     assert rejection_sample(target, [0, 3], None) == [2]  # first rejected
+
+
+def test_a_seeded_rejection_sample_follows_its_generator_alone():
+    """Acceptance draws, residual draws and bonus draws all come from the request's generator:
+    the same seed gives the same tokens, whatever torch's global generator did meanwhile."""
+    p = torch.softmax(torch.arange(VOCAB, dtype=torch.float32), dim=0)
+    target = torch.stack([p, p, p])
+    q = torch.softmax(-torch.arange(VOCAB, dtype=torch.float32), dim=0)
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        generator = torch.Generator().manual_seed(0)
+        runs.append(
+            [rejection_sample(target, [0, 1], torch.stack([q, q]), generator) for _ in range(50)]
+        )
+    assert runs[0] == runs[1]
+    assert len({tuple(tokens) for tokens in runs[0]}) >= 3  # not one fixed answer
+
+
+def test_a_token_the_target_rules_out_is_never_accepted(monkeypatch):
+    """p(x) = 0: the acceptance probability is 0, refused even by the smallest draw, 0.0."""
+    monkeypatch.setattr("minivllm.spec_decode.rejection_sampler.uniform", lambda generator: 0.0)
+    target = torch.eye(VOCAB)[[3, 3]]
+    assert rejection_sample(target, [1], None) == [3]
+
+
+def test_a_rejection_without_residual_mass_draws_from_the_target(monkeypatch):
+    """Where p <= q everywhere (float rounding, exaggerated here: q is not normalised) the
+    residual max(0, p - q) has no mass; the replacement then comes from p itself."""
+    monkeypatch.setattr("minivllm.spec_decode.rejection_sampler.uniform", lambda generator: 0.99)
+    p = torch.tensor([0.5, 0.5, 0.0, 0.0, 0.0])
+    q = torch.tensor([0.6, 0.5, 0.0, 0.0, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    drawn = {rejection_sample(torch.stack([p, p]), [0], q[None], generator)[0] for _ in range(40)}
+    assert drawn == {0, 1}
+
+
+def test_a_one_token_distribution_is_drawn_without_randomness(monkeypatch):
+    """draw() returns a one-hot distribution's token without touching the generator (so a
+    rejection whose residual is a single token leaves a seeded request's stream alone)."""
+    monkeypatch.setattr("minivllm.spec_decode.rejection_sampler.uniform", lambda generator: 0.9)
+    generator = torch.Generator().manual_seed(0)
+    state = generator.get_state()
+    assert draw(torch.eye(VOCAB)[2], generator) == 2
+    p, q = torch.tensor([0.5, 0.5, 0, 0, 0]), torch.tensor([1.0, 0, 0, 0, 0])
+    # Rejected (0.9 >= p/q = 0.5): the residual is one-hot at token 1.
+    assert rejection_sample(torch.stack([p, p]), [0], q[None], generator) == [1]
+    assert torch.equal(generator.get_state(), state)
+
+
+def test_draw_samples_on_torchs_generator_and_refuses_a_distribution_without_mass():
+    torch.manual_seed(0)
+    p = torch.tensor([0.0, 0.25, 0.0, 0.75, 0.0])
+    assert {draw(p, None) for _ in range(40)} == {1, 3}  # no generator: torch's global one
+    for empty in (torch.zeros(VOCAB), torch.full((VOCAB,), float("nan"))):
+        with pytest.raises(NothingToSample) as refused:
+            draw(empty, None)
+        assert str(refused.value) == NOTHING_TO_SAMPLE
 
 
 # --- the engine ---------------------------------------------------------------------------------
