@@ -77,6 +77,11 @@ _ON_THE_CPU = (
     "device=self.device -> device=None: the same on the CPU, where the tests run (None is the"
     " CPU); on a GPU the tensor would be on the wrong device, which the GPU tests would catch"
 )
+_CPU_GENERATOR = (
+    "the draw's device (the generator's, the CPU without one) -> the CPU or None (the CPU):"
+    " the same for a CPU generator, the only kind where the tests run; a GPU generator would"
+    " be refused there, which the GPU tests would catch"
+)
 EQUIVALENT: dict[str, str] = {
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_34": _ON_THE_CPU,
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_39": (
@@ -84,6 +89,25 @@ EQUIVALENT: dict[str, str] = {
         + _ON_THE_CPU
     ),
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_50": _ON_THE_CPU,
+    "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁ__init____mutmut_8": (
+        "self.device = None: every tensor the draft makes is then on the CPU; " + _ON_THE_CPU
+    ),
+    "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_52": _ON_THE_CPU,
+    "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_54": _ON_THE_CPU,
+    "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_56": _ON_THE_CPU,
+    "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_65": _ON_THE_CPU,
+    "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_67": _ON_THE_CPU,
+    "minivllm.spec_decode.rejection_sampler.x_draw__mutmut_10": _CPU_GENERATOR,
+    "minivllm.spec_decode.rejection_sampler.x_draw__mutmut_12": _CPU_GENERATOR,
+    "minivllm.spec_decode.rejection_sampler.x_draw__mutmut_23": _CPU_GENERATOR,
+    "minivllm.spec_decode.rejection_sampler.x_uniform__mutmut_1": _CPU_GENERATOR,
+    "minivllm.spec_decode.rejection_sampler.x_uniform__mutmut_3": _CPU_GENERATOR,
+    "minivllm.spec_decode.rejection_sampler.x_uniform__mutmut_10": _CPU_GENERATOR,
+    "minivllm.spec_decode.rejection_sampler.x_uniform__mutmut_13": _CPU_GENERATOR,
+    "minivllm.spec_decode.rejection_sampler.x_rejection_sample__mutmut_17": (
+        "min(1.0, ratio) -> min(2.0, ratio): the draw it is compared with is below 1, so a"
+        " ratio of 1 or more accepts either way"
+    ),
 }
 
 # mutmut's exit codes (mutmut/stats.py): a failing test (1), pytest's internal error (3), a
