@@ -27,6 +27,7 @@ SOURCES = [  # compiled, in this order
 ]
 HEADERS = [  # included by the sources; part of the build's hash
     PACKAGE / "attention" / "csrc" / "attention_tiles.h",
+    PACKAGE / "attention" / "csrc" / "work_item.h",
     PACKAGE / "models" / "csrc" / "quantized_blocks.h",
 ]
 

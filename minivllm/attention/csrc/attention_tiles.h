@@ -1,7 +1,9 @@
 // Chapter 06, "The same kernel on a CPU": the vector arithmetic of one chunk of keys, the inner
-// loops of `paged_attention.cpp`. A chunk is at most kChunkKeys keys of one block; every query row
-// of a work item folds it into its running softmax: scores (dot products for a decode's few rows,
-// a small matrix product for a prefill tile's many), their exponentials, and the weighted values.
+// loops of `paged_attention.cpp`. Every query row of a work item folds each chunk into its running
+// softmax: scores, their exponentials, and the weighted values. A decode's few rows take a chunk
+// of at most kChunkKeys keys of one block, read in place, by dot products; a prefill tile's many
+// rows take a tile of kTileKeys keys gathered across blocks, by two small matrix products, four
+// rows at a time (flash attention's inner loop).
 // Vectors are ATen's at::vec::Vectorized<float>, 16 floats with AVX512, 8 with AVX2.
 #pragma once
 
@@ -10,12 +12,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 namespace minivllm_cpu {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kChunkKeys = 16;  // a decode's chunk: keys of one block, read in place
 
 // Scores of one query against `count` keys, `stride` floats apart. Four keys at a time: four
 // independent chains of multiply-adds keep the vector units busy, where one dot product after
@@ -56,8 +60,9 @@ inline void dot_keys(const float* q, const float* keys, int64_t stride, int64_t 
 // acc = acc * rescale + sum_j p[j] * v_j over `count` value rows. Four vectors of acc at a time
 // are held in registers across all the rows, twice over: even rows add into one set, odd rows
 // into the other, so eight independent chains of multiply-adds keep both vector units busy. The
-// last vectors and dimensions go one at a time. (Named variables, not an array: the compiler
-// keeps an array of vectors in memory, since any float pointer may alias it.)
+// last vectors and dimensions go one at a time. (Named variables: an accumulator must have a fixed
+// name or index for the compiler to keep it in a register; the tile products below get the same
+// from arrays in completely unrolled loops.)
 inline void add_weighted_values(float* acc, float rescale, const float* p, const float* values,
                                 int64_t stride, int64_t count, int64_t dim) {
   constexpr int64_t V = Vec::size();
@@ -113,23 +118,33 @@ struct FloatRows {
   int64_t stride;
 };
 
+// `count` rows of `dim` values, `stride` apart, copied as float32 into dense rows at `dst`.
+template <typename T>
+inline void widen_rows(const T* rows, int64_t count, int64_t stride, int64_t dim, float* dst) {
+  for (int64_t j = 0; j < count; ++j) {
+    const T* src = rows + j * stride;
+    float* row = dst + j * dim;
+    if constexpr (std::is_same_v<T, float>) {
+      std::memcpy(row, src, dim * sizeof(float));
+    } else {
+      int64_t d = 0;
+      for (; d + Vec::size() <= dim; d += Vec::size()) {
+        Vec widened;
+        at::vec::load_to_float(src + d, widened);
+        widened.store(row + d);
+      }
+      for (; d < dim; ++d) row[d] = static_cast<float>(src[d]);
+    }
+  }
+}
+
 template <typename T>
 inline FloatRows as_float(const T* rows, int64_t count, int64_t stride, int64_t dim,
                           float* scratch) {
   if constexpr (std::is_same_v<T, float>) {
     return {rows, stride};
   } else {
-    for (int64_t j = 0; j < count; ++j) {
-      const T* src = rows + j * stride;
-      float* dst = scratch + j * dim;
-      int64_t d = 0;
-      for (; d + Vec::size() <= dim; d += Vec::size()) {
-        Vec widened;
-        at::vec::load_to_float(src + d, widened);
-        widened.store(dst + d);
-      }
-      for (; d < dim; ++d) dst[d] = static_cast<float>(src[d]);
-    }
+    widen_rows(rows, count, stride, dim, scratch);
     return {scratch, dim};
   }
 }
@@ -145,9 +160,9 @@ struct RunningSoftmax {
 };
 
 // Fold one row's scores over a chunk of `count` keys into its running softmax: exponentials in
-// place of the scores (vectorized), the old sum rescaled once, then the weighted values into acc.
-inline void update_row(float* scores, int64_t count, const FloatRows& values, int64_t dim,
-                       RunningSoftmax& state, float* acc) {
+// place of the scores (vectorized), the old sum rescaled once. Returns the factor by which the
+// row's weighted values so far must be rescaled (the values themselves are the caller's).
+inline float fold_scores(float* scores, int64_t count, RunningSoftmax& state) {
   Vec maxima(kNegInf);
   int64_t j = 0;
   for (; j + Vec::size() <= count; j += Vec::size()) maxima = at::vec::maximum(maxima, Vec::loadu(scores + j));
@@ -169,51 +184,75 @@ inline void update_row(float* scores, int64_t count, const FloatRows& values, in
   state.lanes = at::vec::fmadd(state.lanes, Vec(rescale), sums);
   state.rest = state.rest * rescale + rest;
   state.max_score = new_max;
+  return rescale;
+}
+
+// A decode row's whole update over one chunk: the softmax, then the weighted values into acc.
+inline void update_row(float* scores, int64_t count, const FloatRows& values, int64_t dim,
+                       RunningSoftmax& state, float* acc) {
+  const float rescale = fold_scores(scores, count, state);
   add_weighted_values(acc, rescale, scores, values.data, values.stride, count, dim);
 }
 
-// Many rows against one chunk (a prefill tile): a matrix product. The chunk's keys are transposed
-// once into `kt` ([dim][kChunkKeys], zero-padded), so that a row's scores over the whole chunk are
-// one or two vectors: sum over d of q[d] * kt[d]. Rows go kRowBlock at a time, each row's
-// vectors an independent chain of multiply-adds, and no sum across a vector's lanes is needed.
-constexpr int64_t kChunkKeys = 16;
-constexpr int64_t kScoreVecs = kChunkKeys / Vec::size();  // 1 with AVX512, 2 with AVX2
-constexpr int64_t kRowBlock = 8 / kScoreVecs;
+// Many rows against one tile of keys (a prefill tile): two small matrix products. The tile's
+// keys are transposed into `kt` ([dim][kTileKeys]), so that a row's scores over the tile are
+// kTileVecs vectors: the sum over d of q[d] * kt[d]. Its values lie in `vt` ([keys][dim]). Rows
+// go kTileRows at a time, a register tile of rows x 4 vectors: each vector of keys or values
+// loaded serves every row of the tile (with AVX512's 32 vector registers, four rows: loads are a
+// quarter of the multiply-adds, and sixteen independent chains keep the vector units busy; AVX2
+// has 16 registers, room for two rows).
+constexpr int64_t kTileVecs = 4;
+constexpr int64_t kTileKeys = kTileVecs * Vec::size();  // 64 with AVX512, 32 with AVX2
+constexpr int kTileRows = Vec::size() >= 16 ? 4 : 2;
+constexpr int64_t kMinTileRows = 8;  // fewer rows than this do not repay a tile's gathering
 
-inline void transpose_keys(const FloatRows& keys, int64_t count, int64_t dim, float* kt) {
-  for (int64_t j = 0; j < kChunkKeys; ++j)
-    for (int64_t d = 0; d < dim; ++d)
-      kt[d * kChunkKeys + j] = j < count ? keys.data[j * keys.stride + d] : 0.0f;
-}
+// The loops over a register tile's rows and vectors are unrolled completely, so that every
+// accumulator has a fixed index and the compiler keeps it in a register.
+#define UNROLLED _Pragma("GCC unroll 16")
 
-// Eight accumulators, named (see add_weighted_values): accumulator i holds row i / kScoreVecs's
-// scores for keys (i % kScoreVecs) * Vec::size() onwards.
-inline void scores_of_row_block(const float* queries, int64_t dim, const float* kt, float* scores) {
-  static_assert(kRowBlock * kScoreVecs == 8, "eight accumulators");
-  Vec a0(0.0f), a1(0.0f), a2(0.0f), a3(0.0f), a4(0.0f), a5(0.0f), a6(0.0f), a7(0.0f);
+// Scores of kTileRows rows (queries q[r]) against the whole tile, into s[r] (kTileKeys floats
+// each). Fewer rows at the end: repeat the last one (its stores then write the same numbers).
+inline void tile_scores(const float* const* q, int64_t dim, const float* kt, float* const* s) {
+  constexpr int64_t V = Vec::size();
+  Vec a[kTileRows][kTileVecs];
+  UNROLLED for (int r = 0; r < kTileRows; ++r)
+    UNROLLED for (int v = 0; v < kTileVecs; ++v) a[r][v] = Vec(0.0f);
   for (int64_t d = 0; d < dim; ++d) {
-    const Vec k0 = Vec::loadu(kt + d * kChunkKeys);
-    const Vec k1 = kScoreVecs > 1 ? Vec::loadu(kt + d * kChunkKeys + Vec::size()) : k0;
-    auto add = [&](Vec& acc, int64_t i) {
-      acc = at::vec::fmadd(Vec(queries[(i / kScoreVecs) * dim + d]), i % kScoreVecs ? k1 : k0, acc);
-    };
-    add(a0, 0), add(a1, 1), add(a2, 2), add(a3, 3), add(a4, 4), add(a5, 5), add(a6, 6), add(a7, 7);
+    Vec k[kTileVecs];
+    UNROLLED for (int v = 0; v < kTileVecs; ++v) k[v] = Vec::loadu(kt + d * kTileKeys + v * V);
+    UNROLLED for (int r = 0; r < kTileRows; ++r) {
+      const Vec x(q[r][d]);
+      UNROLLED for (int v = 0; v < kTileVecs; ++v) a[r][v] = at::vec::fmadd(x, k[v], a[r][v]);
+    }
   }
-  auto store = [&](const Vec& acc, int64_t i) {
-    acc.store(scores + (i / kScoreVecs) * kChunkKeys + (i % kScoreVecs) * Vec::size());
-  };
-  store(a0, 0), store(a1, 1), store(a2, 2), store(a3, 3), store(a4, 4), store(a5, 5), store(a6, 6),
-      store(a7, 7);
+  UNROLLED for (int r = 0; r < kTileRows; ++r)
+    UNROLLED for (int v = 0; v < kTileVecs; ++v) a[r][v].store(s[r] + v * V);
 }
 
-// One row's scores against the transposed chunk, for the rows left over after the blocks.
-inline void scores_of_row(const float* query, int64_t dim, const float* kt, float* scores) {
-  for (int64_t v = 0; v < kScoreVecs; ++v) {
-    Vec acc(0.0f);
-    for (int64_t d = 0; d < dim; ++d)
-      acc = at::vec::fmadd(Vec(query[d]), Vec::loadu(kt + d * kChunkKeys + v * Vec::size()), acc);
-    acc.store(scores + v * Vec::size());
+// acc[r] = acc[r] * rescale[r] + sum_j p[r][j] v_j for kTileRows rows, over `count` value rows
+// of `vt`: four vectors of each row's acc in registers, each loaded value vector used by all rows.
+inline void tile_values(float* const* acc, const float* rescale, const float* const* p,
+                        const float* vt, int64_t count, int64_t dim) {
+  constexpr int64_t V = Vec::size();
+  int64_t d = 0;
+  for (; d + 4 * V <= dim; d += 4 * V) {
+    Vec a[kTileRows][4];
+    UNROLLED for (int r = 0; r < kTileRows; ++r)
+      UNROLLED for (int v = 0; v < 4; ++v) a[r][v] = Vec::loadu(acc[r] + d + v * V) * Vec(rescale[r]);
+    for (int64_t j = 0; j < count; ++j) {
+      Vec x[4];
+      UNROLLED for (int v = 0; v < 4; ++v) x[v] = Vec::loadu(vt + j * dim + d + v * V);
+      UNROLLED for (int r = 0; r < kTileRows; ++r) {
+        const Vec w(p[r][j]);
+        UNROLLED for (int v = 0; v < 4; ++v) a[r][v] = at::vec::fmadd(w, x[v], a[r][v]);
+      }
+    }
+    UNROLLED for (int r = 0; r < kTileRows; ++r)
+      UNROLLED for (int v = 0; v < 4; ++v) a[r][v].store(acc[r] + d + v * V);
   }
+  if (d < dim)  // head sizes that are not a multiple of four vectors (80, 96): the rest by rows
+    for (int r = 0; r < kTileRows; ++r)
+      add_weighted_values(acc[r] + d, rescale[r], p[r], vt + d, dim, count, dim - d);
 }
 
 }  // namespace minivllm_cpu

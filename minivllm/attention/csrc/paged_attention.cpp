@@ -24,102 +24,16 @@
 #include <limits>
 #include <vector>
 
-#include "attention_tiles.h"
+#include "work_item.h"
 
 namespace {
 
-using namespace minivllm_cpu;  // the chunk arithmetic of attention_tiles.h
+using namespace minivllm_cpu;  // attend_item (work_item.h) and the arithmetic it uses
 constexpr int kWorkFields = 8;
 
 // The pool's dtypes: float32, and ATen's 16-bit ones (bfloat16, float16), widened to compute.
 #define DISPATCH_CASE_POOL_DTYPES(...) \
   AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE_REDUCED_FLOATING_TYPES(__VA_ARGS__)
-
-struct Pool {  // where K/V of (block, offset, head) lie: [2, blocks, block_size, kv_heads, dim]
-  int64_t num_blocks, block_size, num_kv_heads, dim;
-  int64_t token_stride() const { return num_kv_heads * dim; }
-  int64_t half_stride() const { return num_blocks * block_size * token_stride(); }
-};
-
-// Attend one work item. Rows are (query token, query head of the group); query row r of the slice
-// sits at position first_position + r and sees keys up to there (the causal mask shifted by the
-// sequence's cached tokens), clipped to the item's key range [key_begin, key_end).
-template <typename T>
-void attend_item(const int32_t* item, const T* q, int64_t q_token_stride, const T* kv,
-                 const int32_t* block_table, const Pool& pool, int64_t num_heads, float scale,
-                 T* out, float* partial_out, float* partial_lse, int64_t max_splits) {
-  const int64_t kv_head = item[1], row_begin = item[2], row_end = item[3];
-  const int64_t first_position = item[4], key_begin = item[5], key_end = item[6];
-  const int64_t split = item[7];
-  const int64_t dim = pool.dim, group = num_heads / pool.num_kv_heads;
-  const int64_t num_rows = (row_end - row_begin) * group;
-
-  // This item's queries as float32, pre-multiplied by the softmax scale, and their accumulators.
-  std::vector<float> queries(num_rows * dim), acc(num_rows * dim, 0.0f);
-  std::vector<RunningSoftmax> state(num_rows);
-  for (int64_t t = 0; t < row_end - row_begin; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const T* src = q + (row_begin + t) * q_token_stride + (kv_head * group + g) * dim;
-      for (int64_t d = 0; d < dim; ++d)
-        queries[(t * group + g) * dim + d] = static_cast<float>(src[d]) * scale;
-    }
-
-  // Keys are taken kChunkKeys at a time within a block: one lookup in the block table, one
-  // rescale of each row's sum per chunk. The last row sees the most keys; none past it is read.
-  // With few rows (a decode's group of query heads), each row's scores are dot products; with
-  // many (a prefill tile), the matrix product of `scores_of_row_block`.
-  const bool many_rows = num_rows >= kRowBlock;
-  std::vector<float> k_scratch(kChunkKeys * dim), v_scratch(kChunkKeys * dim), kt(kChunkKeys * dim);
-  std::vector<float> scores(num_rows * kChunkKeys);
-  const int64_t last_key = std::min(key_end, first_position + (row_end - row_begin));
-  for (int64_t chunk_begin = key_begin, chunk_end; chunk_begin < last_key; chunk_begin = chunk_end) {
-    chunk_end = std::min({last_key, chunk_begin + kChunkKeys,
-                          (chunk_begin / pool.block_size + 1) * pool.block_size});
-    const int64_t block = block_table[chunk_begin / pool.block_size];
-    const int64_t first_slot = block * pool.block_size + chunk_begin % pool.block_size;
-    const T* k_rows = kv + first_slot * pool.token_stride() + kv_head * dim;
-    const int64_t count = chunk_end - chunk_begin, stride = pool.token_stride();
-    const FloatRows keys = as_float(k_rows, count, stride, dim, k_scratch.data());
-    const FloatRows values = as_float(k_rows + pool.half_stride(), count, stride, dim, v_scratch.data());
-    // Row r sees keys up to position first_position + r / group: later ones are its future.
-    auto visible = [&](int64_t row) {
-      return std::min(count, first_position + row / group - chunk_begin + 1);
-    };
-    int64_t row = 0;
-    if (many_rows) {
-      transpose_keys(keys, count, dim, kt.data());
-      for (; row + kRowBlock <= num_rows; row += kRowBlock)
-        scores_of_row_block(queries.data() + row * dim, dim, kt.data(),
-                            scores.data() + row * kChunkKeys);
-      for (; row < num_rows; ++row)
-        scores_of_row(queries.data() + row * dim, dim, kt.data(), scores.data() + row * kChunkKeys);
-    } else {
-      for (; row < num_rows; ++row)
-        if (visible(row) > 0)
-          dot_keys(queries.data() + row * dim, keys.data, keys.stride, visible(row), dim,
-                   scores.data() + row * kChunkKeys);
-    }
-    for (row = 0; row < num_rows; ++row)
-      if (visible(row) > 0)
-        update_row(scores.data() + row * kChunkKeys, visible(row), values, dim, state[row],
-                   acc.data() + row * dim);
-  }
-
-  for (int64_t t = 0; t < row_end - row_begin; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const int64_t row = t * group + g, head = kv_head * group + g, token = row_begin + t;
-      const float max_score = state[row].max_score, sum = state[row].sum();
-      const float inv_sum = sum > 0.0f ? 1.0f / sum : 0.0f;  // an empty split has sum 0
-      if (split < 0) {
-        T* dst = out + (token * num_heads + head) * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[row * dim + d] * inv_sum);
-      } else {
-        const int64_t at = (token * num_heads + head) * max_splits + split;
-        for (int64_t d = 0; d < dim; ++d) partial_out[at * dim + d] = acc[row * dim + d] * inv_sum;
-        partial_lse[at] = sum > 0.0f ? max_score + std::log(sum) : kNegInf;
-      }
-    }
-}
 
 // Merge a row's splits: each partial result is weighted by exp(its log-sum-exp - the largest).
 template <typename T>
