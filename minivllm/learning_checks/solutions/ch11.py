@@ -1,4 +1,7 @@
-"""Chapter 11's solution: padding a decode step to its CUDA-graph bucket."""
+"""Chapter 11's solutions: padding a decode step to its CUDA-graph bucket, and the block
+tables of a padded step."""
+
+import torch
 
 
 def pad_decode_step(slot_mapping, seq_lens, sizes, padding_block, block_size):
@@ -14,3 +17,12 @@ def pad_decode_step(slot_mapping, seq_lens, sizes, padding_block, block_size):
         list(slot_mapping) + [padding_block * block_size] * padding,
         list(seq_lens) + [1] * padding,
     )
+
+
+def fill_block_tables(buffer, block_tables, size, padding_block):
+    for row, table in enumerate(block_tables):
+        # The whole table: when requests finish, the rows move up, so this row may hold
+        # another sequence than it did at the last step.
+        buffer[row, : len(table)] = torch.tensor(table, dtype=buffer.dtype)
+    # A padding row attends over one token, its table's first entry: the padding block.
+    buffer[len(block_tables) : size, 0] = padding_block
