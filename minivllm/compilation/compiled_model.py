@@ -14,7 +14,8 @@ Three decisions make one compilation serve every step:
 2. **The token count is symbolic.** The batch's first dimension is marked dynamic, so one graph
    serves 2..max_num_batched_tokens tokens (dynamo specializes a count of 1, the batch-1
    decode, into a graph of its own). `compile` traces both at engine start, under a progress
-   bar, so no request waits for it.
+   bar, so no request waits for it (and a third count for int8 layers, which branch on the
+   number of rows; see `CompiledModel.compile`).
 3. **The packed weights stay** (`models/linear.py`): products call oneDNN on the same packed
    weights as eager, so compiled and eager differ only in how the fused elementwise loops
    round (a few float32 ulps), and greedy tokens agree with transformers.

@@ -1,11 +1,12 @@
 """Chapter 11 — CUDA graphs: a decode step recorded once per batch size, replayed every step.
 
 On a GPU the eager step is mostly waiting: a decode step of a 30-layer model launches about 1,100
-kernels (chapter 11 counts them), each costing the CPU a few microseconds to launch, while reading a small model's
-weights from HBM takes a few tens of microseconds in all. A CUDA graph records the kernels of one
-forward (their arguments are device addresses) and replays the whole sequence with one launch.
+kernels (chapter 11 counts them), each costing the CPU a few microseconds to launch, while reading
+a small model's weights from HBM takes a few tens of microseconds in all. A CUDA graph records the
+kernels of one forward (their arguments are device addresses) and replays the whole sequence with
+one launch.
 
-A recording is only good for the addresses and sizes it saw, so, as vLLM does:
+A recording is only good for the addresses and sizes it saw, so, as vLLM does for the first two:
 
 - **Buckets.** One graph per batch size in `capture_sizes` (1, 2, 4, 8, then every multiple of
   8, vLLM's `cudagraph_capture_sizes`); a step of n decodes replays the smallest bucket >= n,
@@ -16,11 +17,15 @@ A recording is only good for the addresses and sizes it saw, so, as vLLM does:
   engine's longest context; a step writes only the blocks that changed and copies only the
   columns its tables reach.
 - **Padding that harms nothing.** A padding row is a sequence of one token whose K/V go to a
-  block no request ever owns (the pool's last block, kept out of the scheduler's pool).
+  block no request ever owns (the pool's last block, kept out of the scheduler's pool), and
+  whose block table names that block alone. This is minivllm's choice: vLLM gives a padding row
+  the slot -1 (PAD_SLOT_ID), which its cache-write kernel skips; the Triton store kernel here
+  skips negative slots too, but the torch reference's `index_copy_` would not.
 - **Decode only.** A step with a prompt chunk (or drafts to verify) has shapes no bucket holds
-  and runs without a graph. Only the Triton backend (chapter 06) can be recorded: its decode
-  kernel reads lengths and block tables from the device; the torch reference plans its work
-  in Python from lists.
+  and runs without a graph. (vLLM also records piecewise graphs, the compiled graph split at
+  attention, which serve prefills and mixed batches with attention run between the pieces.)
+  Only the Triton backend (chapter 06) can be recorded: its decode kernel reads lengths and
+  block tables from the device; the torch reference plans its work in Python from lists.
 """
 
 from __future__ import annotations
