@@ -72,11 +72,12 @@ def _group(row: int, group: int, group_size: int) -> str:
 
 @learning_check(
     "ch12.quantize_int4",
+    # The interface only: the rule (how many steps, how a weight picks its level) is the
+    # exercise, and the failure messages name it once an attempt is off.
     signature="quantize_int4(weight: Tensor[N, K] float32, group_size: int) -> (q: Tensor[N, K] "
     "levels 0..15, scale: Tensor[N, K // group_size], minimum: (same), dequantized: Tensor[N, "
-    "K]): each run of group_size weights along a row is a group with its own minimum and "
-    "scale = (maximum - minimum) / 15; q = round((w - minimum) / scale), dequantized = "
-    "q * scale + minimum of the weight's group (a constant group: any scale, q = 0)",
+    "K]); each run of group_size weights along a row is a group with its own minimum and scale, "
+    "and dequantized = q * scale + minimum of the weight's group",
     reference=_our_quantize_int4,
 )
 def check_quantize_int4(quantize_int4) -> None:

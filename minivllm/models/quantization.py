@@ -15,9 +15,15 @@ int8 gives each row of the weight one scale (its largest magnitude over 127); in
 levels, so one range per row would be too coarse: each group of 32 (or 64) weights along a row
 gets its own scale and minimum. That is llama.cpp's Q4_1 layout, the one the embedded model's
 GGUF file ships in (`load_gguf_linear_weights`), so minivllm can run the file's own 4-bit
-weights.
+levels (with PyTorch's int4 kernels, each group's scale and zero rounded to the activations'
+dtype; see `Int4Weight`). These products are W4A16 and W8A16: the activations stay floats and
+each weight is dequantized to a float before it multiplies. llama.cpp's CPU product of a Q4_1
+file is W4A8 instead, the activations quantized to int8 per block of 32 and multiplied as
+integers (`cpu_quantized.int4_linear(..., int8_activations=True)` is that product, for
+comparison).
 
-The products dequantize inside the kernel and never write a float copy of the weight. On a CPU
+The products dequantize inside the kernel: for a decode's few rows none of them writes a float
+copy of the weight, and minivllm's own never write one of the whole weight. On a CPU
 minivllm has its own (`cpu_quantized.py`, C++ built with chapter 06's kernel: a product that
 reads the integers for a decode's few rows, a tiled one for many), fast in float32 and bfloat16:
 they multiply every int8 weight, and the int4 weights PyTorch's kernel does not take. PyTorch's
