@@ -82,6 +82,29 @@ _CPU_GENERATOR = (
     " the same for a CPU generator, the only kind where the tests run; a GPU generator would"
     " be refused there, which the GPU tests would catch"
 )
+_DEVICE = (
+    "a device argument dropped or None (the CPU), or a .to() that no longer names the device:"
+    " the same where the tests run, on the CPU; on a GPU the tensor would be on the wrong"
+    " device, which the GPU tests would catch"
+)
+_SAME_AXIS = (
+    "dim=-1 -> dim=+1 or no dim (the last by default), or shape[-1] -> shape[+1]: the same"
+    " axis of the 2-D [rows, vocab] tensors these functions work on"
+)
+_MINUS_INF = 'float("-inf") -> float("-INF"): Python reads both as minus infinity'
+_SAME_DTYPE = (
+    "a .to() that no longer names the dtype: the sampler passes its per-row parameters as"
+    " float32 (top_k as int64) already, made by _param_tensor, so nothing changes"
+)
+_INFERRED_DTYPE = (
+    "_param_tensor's dtype dropped: torch infers float32 from SamplingParams' float fields"
+    " (floats once validated) and int64 from top_k, the dtypes asked for"
+)
+_STRICT_ZIP = (
+    "zip(strict=True) -> strict=False, None or left out: the lists zipped always have equal"
+    " lengths, so the check never fires"
+)
+_LOW_INCLUSIVE = "low_inclusive=False -> None: both are false, the same bound (> 0)"
 EQUIVALENT: dict[str, str] = {
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_34": _ON_THE_CPU,
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_39": (
@@ -108,6 +131,111 @@ EQUIVALENT: dict[str, str] = {
         "min(1.0, ratio) -> min(2.0, ratio): the draw it is compared with is below 1, so a"
         " ratio of 1 or more accepts either way"
     ),
+    "minivllm.sample.sampler.x_make_generator__mutmut_4": _DEVICE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_7": _DEVICE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_14": _DEVICE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_20": _DEVICE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_22": _DEVICE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_27": _DEVICE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_29": _DEVICE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_34": _DEVICE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_36": _DEVICE,
+    "minivllm.sample.sampler.x_apply_logit_bias__mutmut_9": _DEVICE,
+    "minivllm.sample.sampler.x_apply_logit_bias__mutmut_11": _DEVICE,
+    "minivllm.sample.sampler.x_apply_logit_bias__mutmut_13": _DEVICE,
+    "minivllm.sample.sampler.x_apply_logit_bias__mutmut_15": _DEVICE,
+    "minivllm.sample.sampler.x_apply_logit_bias__mutmut_23": _DEVICE,
+    "minivllm.sample.sampler.x_apply_logit_bias__mutmut_25": _DEVICE,
+    "minivllm.sample.sampler.x_apply_top_k__mutmut_5": _DEVICE,
+    "minivllm.sample.sampler.x_apply_top_k__mutmut_7": _DEVICE,
+    "minivllm.sample.sampler.x_apply_top_p__mutmut_2": _DEVICE,
+    "minivllm.sample.sampler.x_apply_top_p__mutmut_4": _DEVICE,
+    "minivllm.sample.sampler.x_apply_min_p__mutmut_8": _DEVICE,
+    "minivllm.sample.sampler.x_apply_min_p__mutmut_10": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_16": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_26": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_36": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_14": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_30": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_45": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_59": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_draw__mutmut_8": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_4": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_7": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_13": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_28": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_31": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_40": _DEVICE,
+    "minivllm.sample.sampler.x__exponentials__mutmut_4": _DEVICE,
+    "minivllm.sample.sampler.x__exponentials__mutmut_7": _DEVICE,
+    "minivllm.sample.sampler.x__param_tensor__mutmut_3": _DEVICE,
+    "minivllm.sample.sampler.x__param_tensor__mutmut_6": _DEVICE,
+    "minivllm.sample.sampler.x__token_counts__mutmut_10": _DEVICE,
+    "minivllm.sample.sampler.x__token_counts__mutmut_12": _DEVICE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_2": _SAME_AXIS,
+    "minivllm.sample.sampler.x_ban_tokens__mutmut_20": _SAME_AXIS,
+    "minivllm.sample.sampler.x_sanitize_logits__mutmut_16": _SAME_AXIS,
+    "minivllm.sample.sampler.x_apply_top_k__mutmut_2": _SAME_AXIS,
+    "minivllm.sample.sampler.x_apply_top_k__mutmut_18": _SAME_AXIS,
+    "minivllm.sample.sampler.x_apply_top_k__mutmut_20": _SAME_AXIS,
+    "minivllm.sample.sampler.x_apply_top_p__mutmut_14": _SAME_AXIS,
+    "minivllm.sample.sampler.x_apply_top_p__mutmut_17": _SAME_AXIS,
+    "minivllm.sample.sampler.x_apply_top_p__mutmut_23": _SAME_AXIS,
+    "minivllm.sample.sampler.x_apply_top_p__mutmut_31": _SAME_AXIS,
+    "minivllm.sample.sampler.x_apply_min_p__mutmut_3": _SAME_AXIS,
+    "minivllm.sample.sampler.x_apply_min_p__mutmut_17": _SAME_AXIS,
+    "minivllm.sample.sampler.xǁSamplerǁ__call____mutmut_8": _SAME_AXIS,
+    "minivllm.sample.sampler.xǁSamplerǁ_collect_logprobs__mutmut_22": _SAME_AXIS,
+    "minivllm.sample.sampler.xǁSamplerǁ_draw__mutmut_3": _SAME_AXIS,
+    "minivllm.sample.sampler.xǁSamplerǁ_draw__mutmut_12": _SAME_AXIS,
+    "minivllm.sample.sampler.xǁSamplerǁ_draw__mutmut_18": _SAME_AXIS,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_2": _SAME_AXIS,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_26": _SAME_AXIS,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_33": _SAME_AXIS,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_35": _SAME_AXIS,
+    "minivllm.sample.sampler.x__empty_rows__mutmut_2": _SAME_AXIS,
+    "minivllm.sample.sampler.x_ban_tokens__mutmut_18": _MINUS_INF,
+    "minivllm.sample.sampler.x_ban_tokens__mutmut_30": _MINUS_INF,
+    "minivllm.sample.sampler.x_sanitize_logits__mutmut_9": _MINUS_INF,
+    "minivllm.sample.sampler.x_sanitize_logits__mutmut_30": _MINUS_INF,
+    "minivllm.sample.sampler.x_apply_top_k__mutmut_49": _MINUS_INF,
+    "minivllm.sample.sampler.x_apply_top_p__mutmut_59": _MINUS_INF,
+    "minivllm.sample.sampler.x_apply_min_p__mutmut_27": _MINUS_INF,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_21": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_23": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_28": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_30": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_35": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_37": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_top_k__mutmut_6": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_top_k__mutmut_8": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_top_p__mutmut_3": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_top_p__mutmut_5": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_min_p__mutmut_9": _SAME_DTYPE,
+    "minivllm.sample.sampler.x_apply_min_p__mutmut_11": _SAME_DTYPE,
+    "minivllm.sample.sampler.x__param_tensor__mutmut_2": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.x__param_tensor__mutmut_5": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_15": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_25": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_35": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_13": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_29": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_44": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_58": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_48": _STRICT_ZIP,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_51": _STRICT_ZIP,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_52": _STRICT_ZIP,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_59": _STRICT_ZIP,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_66": _STRICT_ZIP,
+    "minivllm.sample.sampler.x_rank_tokens__mutmut_69": _STRICT_ZIP,
+    "minivllm.sample.sampler.x_apply_penalties__mutmut_52": "logits > 0 -> logits >= 0: a logit of 0 stays 0 whether divided or multiplied by the penalty",
+    "minivllm.sample.sampler.x_apply_top_k__mutmut_13": "k < vocab -> k <= vocab: top-k with k = vocab keeps every token (none is below the smallest), as leaving the row alone does",
+    "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_12": "noise[i : i + 1] -> noise[i : i + 2]: the extra row written is the next one, which is written again afterwards (seeded rows in order, then the unseeded ones)",
+    "minivllm.sample.sampler.xǁSamplerǁ__call____mutmut_41": "the pass that looks for rows with nothing to sample runs on an all-finite batch too: it finds none, the same errors; it is skipped only for speed",
+    "minivllm.sample.sampler.xǁSamplerǁ_adjusted_logits__mutmut_21": "the fast path reports its logits as not all finite: the pass that looks for rows with nothing to sample then runs and finds none, the same errors",
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_5": "adjusted[:0] -> adjusted[:1] where no row samples at random: the callers read the truncated rows only for the random rows, none here",
+    "minivllm.sample.sampling_params.xǁSamplingParamsǁ_validate_sampling_knobs__mutmut_16": _LOW_INCLUSIVE,
+    "minivllm.sample.sampling_params.xǁSamplingParamsǁ_validate_penalties__mutmut_33": _LOW_INCLUSIVE,
 }
 
 # mutmut's exit codes (mutmut/stats.py): a failing test (1), pytest's internal error (3), a

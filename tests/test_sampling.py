@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.sample.sampler import (
+    NOTHING_TO_SAMPLE,
     Sampler,
     SamplingRow,
     apply_min_p,
@@ -24,8 +25,9 @@ from minivllm.sample.sampler import (
     apply_top_k,
     apply_top_p,
     make_generator,
+    prompt_token_logprobs,
 )
-from minivllm.sample.sampling_params import SamplingParams
+from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 # One settings object for this module's properties (a profile loaded here would replace the
 # session's profile for every module collected after this one).
@@ -157,6 +159,22 @@ def test_top_p_on_exact_boundaries(logits, p, expected):
     """Equal logits give exactly representable probabilities, so p can sit right on the edge."""
     filtered = apply_top_p(torch.tensor([logits]), torch.tensor([p]))
     assert kept_token_ids(filtered[0]) == expected
+
+
+def test_top_p_of_one_keeps_even_tokens_a_float_sum_rounds_away():
+    """p = 1 keeps every token: token 1's probability (9e-14) is lost in float32's cumulative
+    sum, which reaches 1.0 at token 0, so a p = 1 row that went through the filter would drop
+    it."""
+    filtered = apply_top_p(torch.tensor([[0.0, -30.0], [0.0, 0.0]]), torch.tensor([1.0, 1.0]))
+    assert kept_token_ids(filtered[0]) == {0, 1}
+    assert kept_token_ids(filtered[1]) == {0, 1}
+
+
+def test_top_p_ranks_equal_logits_by_token_id():
+    """100 equal logits, p = 0.505: the 51 lowest token ids, one prefix of the id order (a sort
+    that does not keep equal values in order picks another 51)."""
+    filtered = apply_top_p(torch.zeros(1, 100), torch.tensor([0.505]))
+    assert kept_token_ids(filtered[0]) == set(range(51))
 
 
 @SAMPLING_SETTINGS
@@ -441,6 +459,26 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch():
     assert alone == in_the_middle == at_the_end
 
 
+def test_unseeded_rows_draw_from_the_samplers_generator_or_else_torchs():
+    """Without a generator of its own the sampler draws from torch's global one (its seed
+    decides the tokens); with one, torch's seed plays no part. Each row gets its own noise:
+    identical uniform rows do not all draw the same token, nor does one row always."""
+    logits = torch.zeros(64, 8)
+    rows = [sampling_row(SamplingParams())] * 64
+    tokens = []
+    for global_seed in (1, 1):
+        torch.manual_seed(global_seed)
+        tokens.append(Sampler()(logits, rows).token_ids)
+    assert tokens[0] == tokens[1]
+    assert len(set(tokens[0])) > 1
+    assert len({Sampler()(logits[:1], rows[:1]).token_ids[0] for _ in range(30)}) > 1
+    own = []
+    for global_seed in (2, 4):
+        torch.manual_seed(global_seed)
+        own.append(Sampler(make_generator(3))(logits, rows).token_ids)
+    assert own[0] == own[1]
+
+
 def test_the_seed_decides_the_tokens():
     """A sanity check for the test above: a different seed does give a different sequence."""
     logits = model_logits(0)
@@ -530,6 +568,38 @@ def test_the_sampler_applies_penalties_before_choosing():
     assert result.logprobs[1].sampled_logprob == pytest.approx(log_softmax([1.0, 1.5, 0.0])[1])
 
 
+@pytest.mark.parametrize("penalty", ["frequency_penalty", "presence_penalty"])
+def test_a_frequency_or_presence_penalty_alone_turns_greedy_away(penalty):
+    """Either penalty on its own (here 1.0) is applied: token 0, produced once, drops from 2.5
+    to 1.5, below token 1."""
+    params = SamplingParams(temperature=0.0, **{penalty: 1.0})
+    row = sampling_row(params, output=[0])
+    assert Sampler()(torch.tensor([[2.5, 2.0, 0.0]]), [row]).token_ids == [1]
+
+
+def test_a_row_with_nothing_to_sample_is_reported_and_its_neighbours_are_not():
+    """A row whose every logit is -inf (a grammar and a ban left nothing) gets the error its
+    request ends with; the rows beside it sample as usual."""
+    inf = math.inf
+    logits = torch.tensor([[1.0, 2.0, 0.0], [-inf, -inf, -inf], [3.0, -inf, 0.0]])
+    rows = [sampling_row(SamplingParams(temperature=0.0))] * 3
+
+    output = Sampler()(logits, rows)
+
+    assert output.errors == [None, NOTHING_TO_SAMPLE, None]
+    assert (output.token_ids[0], output.token_ids[2]) == (1, 0)
+
+
+def test_logits_that_are_not_one_row_per_request_are_refused():
+    row = sampling_row(SamplingParams(temperature=0.0))
+    for logits, rows in ((torch.zeros(3, 4), [row] * 2), (torch.zeros(4), [row] * 4)):
+        with pytest.raises(ValueError) as raised:
+            Sampler()(logits, rows)
+        assert str(raised.value) == (
+            f"logits must be [len(rows), vocab] = [{len(rows)}, vocab], got {list(logits.shape)}"
+        )
+
+
 # --- min_tokens ---
 
 EOS, STOP_ID = 0, 1
@@ -558,6 +628,20 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached_and_not_after(ignore_eos
         waiting_token, free_token = sampler(logits, rows).token_ids
         assert waiting_token == (3 if generated < 3 else EOS)
         assert free_token == EOS
+
+
+def test_the_min_tokens_ban_gives_way_row_by_row_where_nothing_else_is_left():
+    """Row 0: a complete grammar allows only eos, so the ban would leave nothing to sample and
+    eos stays; row 1, beside it: the ban holds and the runner-up is chosen."""
+    inf = math.inf
+    logits = torch.tensor([[0.0, -inf, -inf, -inf, -inf], [5.0, 4.0, 1.0, 0.5, -inf]])
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[STOP_ID])
+    rows = [sampling_row(params, eos=[EOS])] * 2
+
+    output = Sampler()(logits, rows)
+
+    assert output.token_ids == [EOS, 2]  # eos, and 2 after eos and the stop id in row 1
+    assert output.errors == [None, None]
 
 
 def test_min_tokens_also_bans_stop_ids_for_random_sampling():
@@ -651,6 +735,116 @@ def test_the_sampler_leaves_its_input_alone_and_accepts_low_precision_logits():
     assert result.token_ids == [1]  # token 1: 3 / 1.5 = 2, token 2 banned, token 0: 1
 
 
+def test_nan_and_inf_logits_never_decide_a_token():
+    """NaN counts as -inf; in a row with +inf logits those tokens share all the mass (logit 0,
+    the others -inf) and the row beside it is left as it was; a token that came in at -inf
+    stays there even where a repetition penalty of 5e-324 (0 in float32) turns -inf * 0 into
+    NaN, and a positive logit / 0 into +inf, a sure token."""
+    inf, nan = math.inf, math.nan
+    logits = torch.tensor([[nan, 1.0, 0.0], [inf, 1.0, inf], [2.0, 1.0, 0.0]])
+    greedy = sampling_row(SamplingParams(temperature=0.0, logprobs=3))
+    processed_logits = Sampler(logprobs_mode="processed_logits")
+
+    output = processed_logits(logits, [greedy] * 3)
+
+    assert output.token_ids == [1, 0, 0]
+    assert [dict(logprobs.top) for logprobs in output.logprobs] == [
+        {1: 1.0, 2: 0.0, 0: -inf},
+        {0: 0.0, 2: 0.0, 1: -inf},
+        {0: 2.0, 1: 1.0, 2: 0.0},
+    ]
+    random = sampling_row(SamplingParams(temperature=1.0))
+    assert Sampler().probabilities(logits, [random] * 3)[1].tolist() == [0.5, 0.0, 0.5]
+
+    zero_penalty = SamplingParams(temperature=0.0, repetition_penalty=5e-324, logprobs=3)
+    row = sampling_row(zero_penalty, prompt=[0, 1])
+    output = processed_logits(torch.tensor([[-inf, 1.0, 0.0]]), [row])
+    assert output.token_ids == [1]
+    assert dict(output.logprobs[0].top) == {1: 0.0, 0: -inf, 2: -inf}
+
+
+# --- the distributions and logprobs chapter 08's verifier reads ---
+
+
+def test_probabilities_are_the_distributions_the_rows_draw_from():
+    """Greedy: one-hot at the argmax of the adjusted logits (here a repetition penalty moves
+    it from token 0 to token 1); random: the softmax of the logits after temperature and
+    top-k; a row with nothing to sample (its only tokens banned or -inf): no mass at all."""
+    inf = math.inf
+    logits = torch.tensor(
+        [[3.0, 2.0, 1.0, 0.0], [3.0, 2.0, 1.0, 0.0], [-inf] * 4, [-inf] * 4, [0.0, 0.0, -inf, 1.0]]
+    )
+    rows = [
+        sampling_row(SamplingParams(temperature=0.0, repetition_penalty=2.0), prompt=[0]),
+        sampling_row(SamplingParams(temperature=0.5, top_k=3)),  # logits 6, 4, 2 (and 0, cut)
+        sampling_row(SamplingParams(temperature=0.0)),
+        sampling_row(SamplingParams(temperature=1.0)),
+        sampling_row(SamplingParams(temperature=1.0)),
+    ]
+
+    probs = Sampler().probabilities(logits, rows)
+
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert probs[1].tolist() == pytest.approx(softmax([6.0, 4.0, 2.0]) + [0.0], abs=1e-6)
+    assert probs[2].tolist() == probs[3].tolist() == [0.0] * 4
+    assert probs[4].tolist() == pytest.approx(
+        softmax([0.0, 0.0, 1.0])[:2] + [0.0] + softmax([0.0, 0.0, 1.0])[2:], abs=1e-6
+    )
+    # An all-greedy batch: one-hot rows, the min_tokens ban applied (eos 2 is the argmax).
+    greedy = [sampling_row(SamplingParams(temperature=0.0, min_tokens=1), eos=[2])]
+    assert Sampler().probabilities(torch.tensor([[1.0, 0.0, 5.0]]), greedy).tolist() == [
+        [1.0, 0.0, 0.0]
+    ]
+
+
+def test_logprobs_of_given_tokens_are_those_the_sampler_would_report():
+    """Sampler.logprobs scores tokens chosen elsewhere (the rejection sampler's): in the
+    processed modes, from what each row would have drawn from (for a random row after
+    temperature and top-k), in the raw ones from the model's logits; rank 1 is the best."""
+    logits = torch.tensor([[3.0, 2.0, 1.0, -1.0]] * 3)
+    rows = [
+        sampling_row(SamplingParams(temperature=0.5, top_k=2, logprobs=1)),
+        sampling_row(SamplingParams(temperature=0.0, logit_bias={3: 5.0}, logprobs=0)),
+        sampling_row(SamplingParams(temperature=0.0)),  # no logprobs asked for
+    ]
+    processed = Sampler(logprobs_mode="processed_logprobs").logprobs(logits, [1, 0, 2], rows)
+    raw = Sampler().logprobs(logits, [1, 0, 2], rows)
+
+    random_row = log_softmax([6.0, 4.0])  # the two tokens top-k keeps, after temperature 0.5
+    assert processed[0].sampled_token_id == 1
+    assert processed[0].sampled_logprob == pytest.approx(random_row[1], abs=1e-5)
+    assert processed[0].sampled_rank == 2
+    assert processed[0].top == [(0, pytest.approx(random_row[0], abs=1e-5))]
+    biased = log_softmax([3.0, 2.0, 1.0, 4.0])
+    assert processed[1].sampled_logprob == pytest.approx(biased[0], abs=1e-5)
+    assert (processed[1].sampled_rank, processed[1].top) == (2, [])
+    assert processed[2] is None and raw[2] is None
+    model = log_softmax([3.0, 2.0, 1.0, -1.0])
+    assert raw[0].sampled_logprob == pytest.approx(model[1], abs=1e-5)
+    assert raw[1].sampled_logprob == pytest.approx(model[0], abs=1e-5)
+    assert raw[1].sampled_rank == 1
+
+
+def test_prompt_logprobs_score_each_next_prompt_token_under_the_model():
+    """Row i of the logits scores prompt token i + 1: its log_softmax and rank, and the
+    num_top best tokens (-1: the whole vocabulary, best first), from float32 whatever came in."""
+    logits = torch.tensor([[1.0, 3.0, 2.0], [0.0, 0.0, 1.0]], dtype=torch.bfloat16)
+
+    scored = prompt_token_logprobs(logits, [2, 0], 1)
+
+    first, second = log_softmax([1.0, 3.0, 2.0]), log_softmax([0.0, 0.0, 1.0])
+    assert [t.sampled_token_id for t in scored] == [2, 0]
+    assert [t.sampled_rank for t in scored] == [2, 2]  # equal scores share the better rank
+    assert scored[0].sampled_logprob == pytest.approx(first[2], abs=1e-6)
+    assert scored[1].sampled_logprob == pytest.approx(second[0], abs=1e-6)
+    assert [t.top for t in scored] == [
+        [(1, pytest.approx(first[1], abs=1e-6))],
+        [(2, pytest.approx(second[2], abs=1e-6))],
+    ]
+    whole = prompt_token_logprobs(logits[:1], [0], -1)[0]
+    assert [token_id for token_id, _ in whole.top] == [1, 2, 0]
+
+
 # --- SamplingParams validation ---
 
 INVALID_PARAMS = [
@@ -706,6 +900,7 @@ INVALID_PARAMS = [
     ("include_stop_str_in_output", {"include_stop_str_in_output": 1}),
     ("detokenize", {"detokenize": "no"}),
     ("stop", {"stop": ["###"], "detokenize": False}),  # a stop string is found in text
+    ("structured_outputs", {"structured_outputs": {"json": {"type": "object"}}}),
 ]
 
 
@@ -720,10 +915,101 @@ def test_invalid_sampling_params_raise_value_error_naming_field_and_value(field,
     assert repr(kwargs[field]) in message
 
 
+def test_a_seed_out_of_range_is_refused_naming_the_range_its_n_allows():
+    with pytest.raises(ValueError) as raised:
+        SamplingParams(seed=2**64 - 2, n=3)
+    assert str(raised.value) == (
+        "seed must be an int from -2**63 to 2**64 - 3 (n=3), got 18446744073709551614"
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be <= max_tokens (4), got 5"),
+        ({"top_k": -2}, "top_k must be -1 or >= 0 (-1 and 0 both disable top-k), got -2"),
+        (
+            {"logit_bias": {5: math.nan}},
+            "logit_bias must be a dict of token ids to finite numbers, got {5: nan}",
+        ),
+        ({"detokenize": "no"}, "detokenize must be a bool, got 'no'"),
+        (
+            {"stop": ["###"], "detokenize": False},
+            "stop must be empty when detokenize is False (stop strings need text), got ['###']",
+        ),
+        (
+            {"structured_outputs": {"regex": "a+"}},
+            "structured_outputs must be a StructuredOutputsParams, got {'regex': 'a+'}",
+        ),
+    ],
+)
+def test_a_refusal_states_the_rule_that_was_broken(kwargs, message):
+    with pytest.raises(ValueError) as raised:
+        SamplingParams(**kwargs)
+    assert str(raised.value) == message
+
+
+def test_the_smallest_valid_values_are_accepted():
+    """The edges of each range are inside it: one token, min_tokens equal to max_tokens,
+    prompt_logprobs -1 (the whole vocabulary) and 0 (the prompt token's own only)."""
+    assert SamplingParams(max_tokens=1).max_tokens == 1
+    assert SamplingParams(min_tokens=4, max_tokens=4).min_tokens == 4
+    assert SamplingParams(prompt_logprobs=-1).prompt_logprobs == -1
+    assert SamplingParams(prompt_logprobs=0).prompt_logprobs == 0
+    # An unseeded request's completions stay unseeded.
+    assert SamplingParams(n=2).for_completion(1).seed is None
+
+
 def test_every_field_has_an_invalid_example():
-    """The table above covers every validated field (structured_outputs accepts anything)."""
+    """The table above covers every field of SamplingParams."""
     validated = {field.name for field in dataclasses.fields(SamplingParams)}
-    assert {field for field, _ in INVALID_PARAMS} == validated - {"structured_outputs"}
+    assert {field for field, _ in INVALID_PARAMS} == validated
+
+
+# --- StructuredOutputsParams validation (chapter 10's spec, checked where it is made) ---
+
+INVALID_STRUCTURED_OUTPUTS = [
+    (
+        {},
+        "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; got none",
+    ),
+    (
+        {"json": {"type": "object"}, "regex": "a+"},
+        "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+        "got ['json', 'regex']",
+    ),
+    ({"json": 5}, "structured_outputs.json must be a JSON schema (dict or string), got 5"),
+    ({"regex": ""}, "structured_outputs.regex must be a non-empty string, got ''"),
+    ({"regex": 5}, "structured_outputs.regex must be a non-empty string, got 5"),
+    ({"grammar": ""}, "structured_outputs.grammar must be a non-empty string, got ''"),
+    ({"grammar": ["root ::= 'a'"]}, "structured_outputs.grammar must be a non-empty string"),
+    ({"choice": []}, "structured_outputs.choice must be a list of non-empty strings, got []"),
+    ({"choice": ["yes", ""]}, "structured_outputs.choice must be None, a str or a list of str"),
+    ({"json_object": "yes"}, "structured_outputs.json_object must be a bool, got 'yes'"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), INVALID_STRUCTURED_OUTPUTS)
+def test_an_invalid_structured_outputs_spec_is_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError) as raised:
+        StructuredOutputsParams(**fields)
+    assert str(raised.value).startswith(message)
+
+
+def test_a_structured_outputs_spec_names_its_kind_and_keys_equal_specs_alike():
+    """kind() is the one field set (json_object=False is not set); key() is equal for equal
+    specs and keeps a schema's property order, the order of the fields the output has."""
+    assert StructuredOutputsParams(regex="a+", json_object=False).kind() == ("regex", "a+")
+    assert StructuredOutputsParams(json_object=True).kind() == ("json_object", True)
+    assert StructuredOutputsParams(choice="yes").kind() == ("choice", ["yes"])  # one string
+    assert StructuredOutputsParams(grammar="root ::= 'a'").key() == "grammar:\"root ::= 'a'\""
+    name_age = {"properties": {"name": {}, "age": {}}}
+    age_name = {"properties": {"age": {}, "name": {}}}
+    key = StructuredOutputsParams(json=name_age).key()
+    assert key == 'json:{"properties": {"name": {}, "age": {}}}'
+    assert StructuredOutputsParams(json=dict(name_age)).key() == key
+    assert StructuredOutputsParams(json=age_name).key() != key
+    assert StructuredOutputsParams(choice=["a", "b"]).key() == 'choice:["a", "b"]'
 
 
 def test_sampling_params_normalise_their_inputs():
