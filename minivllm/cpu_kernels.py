@@ -14,6 +14,7 @@ import functools
 import hashlib
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -49,6 +50,12 @@ ISA_FLAGS = {
 # AVX512-VNNI's byte dot product, where the CPU has it (int8 activations, chapter 12).
 VNNI_FLAGS = ["-DMINIVLLM_VNNI", "-mavx512vnni"]
 
+# torch's builder takes a lock file in the build directory, and a process that finds it waits
+# until it is gone. A build that was interrupted (Ctrl-C, a killed process) leaves it behind, and
+# every later process would then wait for ever. A build takes about a minute, so a lock older
+# than this belongs to no running build.
+STALE_LOCK_SECONDS = 600
+
 
 def compiler_flags() -> tuple[str, list[str]]:
     """The build's name for this CPU's instructions, and the flags that target them."""
@@ -77,6 +84,7 @@ def load_kernels() -> str | None:
     name = f"minivllm_cpu_kernels_{capability}_{digest}"
     build_directory = Path(cpp_extension._get_build_directory(name, verbose=False))
     library = build_directory / f"{name}.so"
+    remove_stale_lock(build_directory)
     if not library.exists():
         print("minivllm: building the C++ CPU kernels (once)...", file=sys.stderr, flush=True)
     try:
@@ -91,6 +99,25 @@ def load_kernels() -> str | None:
     except (RuntimeError, OSError) as error:
         return _cannot_build(f"building them failed: {error}")
     return str(library)
+
+
+def remove_stale_lock(build_directory: Path, now: float | None = None) -> bool:
+    """Remove the build lock an interrupted build left behind (older than STALE_LOCK_SECONDS),
+    saying so; a younger lock is another process's build in progress and stays."""
+    lock = build_directory / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < STALE_LOCK_SECONDS:
+        return False
+    lock.unlink(missing_ok=True)
+    warnings.warn(
+        f"minivllm: removed {lock}, left {age / 60:.0f} minutes ago by a build that was"
+        " interrupted; building again",
+        stacklevel=3,
+    )
+    return True
 
 
 def _cannot_build(reason: str) -> None:

@@ -287,3 +287,19 @@ def test_without_a_compiler_the_engine_warns_and_gives_the_same_tokens(
     assert llm.llm_engine.executor.driver_worker.attention_backend is TorchPagedAttention
     assert tokens == [tiny_greedy(p, 12) for p in prompts]
     assert_pool_is_empty(llm.llm_engine)
+
+
+def test_an_interrupted_builds_lock_is_removed_and_a_running_builds_is_kept(tmp_path):
+    """A lock file older than any build is what a killed build leaves: without removing it,
+    every later process would wait on it for ever. A young one is a build in progress."""
+    lock = tmp_path / "lock"
+    assert not cpu_kernels.remove_stale_lock(tmp_path)  # no lock: nothing to do
+    lock.touch()
+    now = lock.stat().st_mtime
+    assert not cpu_kernels.remove_stale_lock(tmp_path, now=now + 60)
+    assert lock.exists()
+    with pytest.warns(UserWarning, match="interrupted"):
+        removed = cpu_kernels.remove_stale_lock(
+            tmp_path, now=now + cpu_kernels.STALE_LOCK_SECONDS + 1
+        )
+    assert removed and not lock.exists()
