@@ -241,6 +241,19 @@ def test_a_shared_block_returns_to_the_free_queue_only_with_its_last_holder():
     assert pool.ref_counts[block] == 0 and block in pool.free_queue
 
 
+def test_free_tail_gives_back_the_blocks_past_the_tokens_kept_tail_first():
+    """Chapter 08: after a verification the blocks that only held rejected drafts (or
+    lookahead slots) go back, the last first; the blocks the kept tokens need stay."""
+    manager = KVCacheManager(num_blocks=6, block_size=4)
+    assert manager.allocate_slots("r", 17)  # 5 blocks: 0 1 2 3 4
+    manager.free_tail("r", 9)  # 9 tokens need 3 blocks
+    assert manager.block_tables["r"] == [0, 1, 2]
+    assert list(manager.pool.free_queue) == [5, 4, 3]
+    manager.free_tail("r", 12)  # nothing past the tokens kept: nothing changes
+    assert manager.block_tables["r"] == [0, 1, 2]
+    manager.check_integrity()
+
+
 def test_allocating_more_blocks_than_free_raises():
     """The pool never hands out a block it does not have."""
     pool = BlockPool(3)

@@ -16,6 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm.core.request import Request
+from minivllm.outputs import Logprob, PromptLogprobsChunk
+from minivllm.sample.sampler import TokenLogprobs
 from minivllm.sample.sampling_params import SamplingParams
 
 LETTERS = "abcdefgh"
@@ -122,3 +124,53 @@ def test_a_request_stops_exactly_where_the_rules_say(
         f"for outputs {token_ids}, min_tokens={min_tokens}, max_tokens={params.max_tokens}, "
         f"ignore_eos={ignore_eos}, stop={stop!r}"
     )
+
+
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_each_tokens_logprobs_are_recorded_with_its_text_and_summed(detokenize):
+    """Per output token: its top tokens by rank, then the token itself (with its own rank)
+    when it is not among them, each spelt by the tokenizer (no text without a detokenizer);
+    the cumulative logprob adds up the sampled tokens' logprobs."""
+    request = make_request(SamplingParams(logprobs=1, max_tokens=5, detokenize=detokenize))
+
+    request.append_token(3, TokenLogprobs(3, -0.5, 1, [(3, -0.5)]))
+    request.append_token(4, TokenLogprobs(4, -2.0, 3, [(2, -0.25)]))
+
+    def text(letter: str) -> str | None:
+        return letter if detokenize else None
+
+    assert request.logprobs == [
+        {3: Logprob(-0.5, 1, text("d"))},
+        {2: Logprob(-0.25, 1, text("c")), 4: Logprob(-2.0, 3, text("e"))},
+    ]
+    assert request.cumulative_logprob == -2.5
+    output = request.completion_output()
+    assert (output.logprobs, output.cumulative_logprob) == (request.logprobs, -2.5)
+    assert output.text == ("de" if detokenize else "")
+
+
+def test_an_error_ends_the_request_alone_with_its_message():
+    request = make_request(SamplingParams())
+    request.append_token(3)
+
+    request.finish_with_error("no token can be sampled")
+
+    assert request.is_finished and request.metrics.finished_time is not None
+    output = request.completion_output()
+    assert (output.finish_reason, output.error) == ("error", "no token can be sampled")
+    assert output.token_ids == [3]
+
+
+def test_prompt_logprobs_are_recorded_in_prompt_order_and_a_gap_is_refused():
+    """The first prompt token has none (nothing predicts it); a chunk must start where the
+    recorded ones end."""
+    request = make_request(SamplingParams(prompt_logprobs=1))  # prompt [2, 3]
+    assert request.prompt_logprobs == [None] and not request.has_all_prompt_logprobs
+    token_3 = TokenLogprobs(3, -1.5, 2, [(2, -0.5)])
+
+    with pytest.raises(AssertionError, match="r: prompt logprobs from token 2, 1 recorded"):
+        request.record_prompt_logprobs(PromptLogprobsChunk(2, [token_3]))
+    request.record_prompt_logprobs(PromptLogprobsChunk(1, [token_3]))
+
+    assert request.prompt_logprobs == [None, {2: Logprob(-0.5, 1, "c"), 3: Logprob(-1.5, 2, "d")}]
+    assert request.has_all_prompt_logprobs
