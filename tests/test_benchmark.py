@@ -8,6 +8,7 @@ not against a second copy of the formula.
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 
 import pytest
@@ -19,6 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from minivllm.bench.benchmark import (
     BenchmarkContext,
     engine_overrides,
+    format_table,
     matching_token_share,
     model_flops,
     run_benchmark,
@@ -107,6 +109,31 @@ def test_prefix_cached_runs_count_only_computed_flops(tiny_model_dirs):
     assert on.prompt_tokens_computed < off.prompt_tokens_computed == workload.num_prompt_tokens
     assert on.model_flops < on.workload_flops
     assert 0.0 < on.mfu < 1.0
+
+
+def test_repeated_rounds_each_start_cold_and_report_median_and_range(tiny_model_dirs):
+    """Three timed rounds after one warm-up, the two engines interleaved: every round starts
+    with an empty prefix cache (the last round computes every prompt token, as a single run
+    does), seconds are the median of the rounds, and the table shows ranges."""
+    ctx = BenchmarkContext.load(tiny_model_dirs["mistral"])
+    workload = Workload("tiny", [[1, 2, 3, 4, 5], [6, 7, 8]], [3, 2], "two requests")
+    off, on = run_benchmark(
+        ctx, workload, ["engine-no-prefix-cache", "engine"], False, repeats=3, warmups=1
+    )
+    for result in (off, on):
+        assert len(result.round_seconds) == 3
+        assert result.seconds == statistics.median(result.round_seconds)
+    assert on.prompt_tokens_computed == workload.num_prompt_tokens
+    table = format_table([off, on])
+    assert "3 rounds, methods interleaved" in table
+    assert f"{min(on.round_seconds):.2f}-{max(on.round_seconds):.2f}" in table
+
+
+def test_a_method_named_twice_is_refused_in_favour_of_repeats(tiny_model_dirs):
+    ctx = BenchmarkContext.load(tiny_model_dirs["llama"])
+    workload = Workload("tiny", [[1, 2, 3]], [2], "one request")
+    with pytest.raises(ValueError, match="'?engine'? given more than once.*repeats"):
+        run_benchmark(ctx, workload, ["engine", "static", "engine"], measure_peak=False)
 
 
 def test_model_flops_adds_up_over_requests(tiny_models):

@@ -11,6 +11,7 @@ theirs to `METHODS`.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import statistics
@@ -23,6 +24,7 @@ import torch
 
 from minivllm.baselines.kv_cache import generate_static_batch
 from minivllm.baselines.naive import generate_with_transformers, generate_without_cache
+from minivllm.bench.measure import Spread, interleaved
 from minivllm.bench.workloads import Workload
 from minivllm.config import QUANTIZATION_METHODS, EngineConfig, ModelConfig, resolve_dtype
 from minivllm.core.request import Request
@@ -132,7 +134,7 @@ class MethodResult:
     method: str
     label: str
     chapter: int
-    seconds: float
+    seconds: float  # the median of the timed rounds
     num_requests: int
     prompt_tokens: int
     output_tokens: int
@@ -148,6 +150,8 @@ class MethodResult:
     matmul_peak_flops: float | None = None  # measured peak of this dtype, FLOP/s
     median_ttft_s: float | None = None
     prompt_tokens_computed: int | None = None
+    # Seconds of each timed round (interleaved with the other methods'); empty when unknown.
+    round_seconds: list[float] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -438,8 +442,12 @@ def run_benchmark(
     workload: Workload,
     method_names: list[str],
     measure_peak: bool = True,
+    repeats: int = 1,
+    warmups: int = 0,
 ) -> list[MethodResult]:
-    """Run each method on the workload, in order, and time it.
+    """Run each method on the workload and time it, the methods interleaved in rounds
+    (`bench/measure.py`): `warmups` rounds untimed, then `repeats` timed ones; a result's
+    `seconds` is the median of its rounds.
 
     A batched method can be given a batch size after a colon ("hf-static:64"); for "hf-cb"
     the number is generate_batch's token budget per step; for an engine, the setting names its
@@ -449,12 +457,18 @@ def run_benchmark(
     side in one run. With `measure_peak`, each dtype's matmul peak is measured once, for the
     model-FLOPs utilisation column.
     """
+    repeated = sorted({name for name in method_names if method_names.count(name) > 1})
+    if repeated:
+        raise ValueError(
+            f"benchmark method(s) {', '.join(repeated)} given more than once: to run a method"
+            " several times, interleaved with the others, ask for repeats"
+        )
     specs = [_parse_method(name, ctx.device) for name in method_names]
     keep_freed_memory_in_process()  # process-wide: the same allocator for every method
     prompt_lengths = [len(prompt) for prompt in workload.prompts]
     workload_flops = model_flops(ctx.model.config, prompt_lengths, workload.output_lengths)
     peaks: dict[torch.dtype, float] = {}
-    results, first_outputs = [], None
+    runs, prepare, contexts, labels = {}, {}, {}, {}
     for name, (method, setting, dtype) in zip(method_names, specs):
         run_ctx = ctx.with_dtype(dtype or ctx.dtype)
         if setting:
@@ -465,14 +479,19 @@ def run_benchmark(
             else:
                 run_ctx.batch_size = int(setting)
         label = method.label + (f" [{setting}]" if setting else "")
-        label += f" {_short_dtype(run_ctx.dtype)}" if dtype else ""
+        labels[name] = label + (f" {_short_dtype(run_ctx.dtype)}" if dtype else "")
         if measure_peak and run_ctx.dtype not in peaks:
             peaks[run_ctx.dtype] = measure_matmul_peak(run_ctx.dtype, run_ctx.device)
-        if method.setup is not None:
-            method.setup(run_ctx, workload)
-        start = time.perf_counter()
-        output = method.run(run_ctx, workload)
-        seconds = time.perf_counter() - start
+        contexts[name] = run_ctx
+        runs[name] = functools.partial(method.run, run_ctx, workload)
+        if method.setup is not None:  # untimed, before every timed run
+            prepare[name] = functools.partial(method.setup, run_ctx, workload)
+    timings = interleaved(
+        runs, repeats, warmups, prepare, synchronize=lambda: _synchronize(ctx.device)
+    )
+    results, first_outputs = [], None
+    for name, (method, _, _) in zip(method_names, specs):
+        output = timings.results[name]
         if not isinstance(output, MethodOutput):
             output = MethodOutput(output)
         outputs = output.token_ids
@@ -487,18 +506,19 @@ def run_benchmark(
         results.append(
             MethodResult(
                 method=name,
-                label=label,
+                label=labels[name],
                 chapter=method.chapter,
-                seconds=seconds,
+                seconds=timings.spread(name).median,
+                round_seconds=timings.seconds[name],
                 num_requests=workload.num_requests,
                 prompt_tokens=workload.num_prompt_tokens,
                 output_tokens=sum(len(o) for o in outputs),
                 same_tokens_as_first=same,
                 matching_tokens=matching_token_share(outputs, first_outputs),
-                dtype=str(run_ctx.dtype).removeprefix("torch."),
+                dtype=str(contexts[name].dtype).removeprefix("torch."),
                 model_flops=computed_flops,
                 workload_flops=workload_flops,
-                matmul_peak_flops=peaks.get(run_ctx.dtype),
+                matmul_peak_flops=peaks.get(contexts[name].dtype),
                 median_ttft_s=statistics.median(output.ttft_s) if output.ttft_s else None,
                 prompt_tokens_computed=None
                 if cached is None
@@ -662,23 +682,27 @@ def format_table(results: list[MethodResult], baseline: str | None = None) -> st
     """A plain-text table: time, output tokens/s, speedup over the baseline method, agreement
     with the first method (whole requests, and tokens before the first difference), model-FLOPs
     utilisation, and for our engine the median time to first token and the prompt tokens it
-    computed."""
+    computed. With repeated rounds, time is the median and its range, and the speedup is the
+    median and range of the ratios taken round by round."""
     base = next((r for r in results if r.method == baseline), results[0])
     lines = [
-        f"{'method':<53} {'seconds':>8} {'out tok/s':>10} {'speedup':>8} {'same reqs':>9}"
+        f"{'method':<53} {'seconds':>19} {'out tok/s':>10} {'speedup':>19} {'same reqs':>9}"
         f" {'same toks':>9} {'MFU':>5} {'TTFT p50':>9} {'prefill tok':>11}"
     ]
     for r in results:
-        speedup = r.output_tokens_per_s / base.output_tokens_per_s
         mfu = "" if r.mfu is None else f"{r.mfu:.0%}"
         ttft = "" if r.median_ttft_s is None else f"{r.median_ttft_s:.2f}s"
         prefill = "" if r.prompt_tokens_computed is None else str(r.prompt_tokens_computed)
         lines.append(
-            f"{r.label:<53} {r.seconds:>8.2f} {r.output_tokens_per_s:>10.1f} {speedup:>7.2f}x"
-            f" {r.same_tokens_as_first:>9.0%} {r.matching_tokens:>9.1%} {mfu:>5} {ttft:>9}"
-            f" {prefill:>11}"
+            f"{r.label:<53} {seconds_of(r).format():>19} {r.output_tokens_per_s:>10.1f}"
+            f" {speedup_of(r, base).format(unit='x'):>19} {r.same_tokens_as_first:>9.0%}"
+            f" {r.matching_tokens:>9.1%} {mfu:>5} {ttft:>9} {prefill:>11}"
         )
-    lines.append(f"(speedup relative to: {base.label}; prompt tokens in all: {base.prompt_tokens})")
+    rounds = len(base.round_seconds)
+    lines.append(
+        f"(speedup relative to: {base.label}; prompt tokens in all: {base.prompt_tokens}"
+        + (f"; {rounds} rounds, methods interleaved: median (range))" if rounds > 1 else ")")
+    )
     peaks = {r.dtype: r.matmul_peak_flops for r in results if r.matmul_peak_flops}
     if peaks:
         measured = ", ".join(f"{dtype} {peak / 1e9:.0f} GFLOP/s" for dtype, peak in peaks.items())
@@ -688,6 +712,21 @@ def format_table(results: list[MethodResult], baseline: str | None = None) -> st
             f" what a prefix cache serves)"
         )
     return "\n".join(lines)
+
+
+def seconds_of(result: MethodResult) -> Spread:
+    """A result's seconds, round by round where they were kept."""
+    return Spread(tuple(result.round_seconds or [result.seconds]))
+
+
+def speedup_of(result: MethodResult, base: MethodResult) -> Spread:
+    """How many times faster than `base` (in output tokens per second), round by round where
+    both kept their rounds (`bench/measure.py`), else from the two medians."""
+    if len(result.round_seconds) == len(base.round_seconds) > 0:
+        scale = result.output_tokens / base.output_tokens  # the same work: 1
+        pairs = zip(base.round_seconds, result.round_seconds)
+        return Spread(tuple(scale * b / s for b, s in pairs))
+    return Spread((result.output_tokens_per_s / base.output_tokens_per_s,))
 
 
 def write_json(path: str | Path, workload: Workload, results: list[MethodResult], **extra) -> None:

@@ -111,7 +111,9 @@ def cmd_bench(args) -> None:
     }
     workload = make_workload(args.workload, ctx.tokenizer, args.num_requests, args.output_len)
     print(f"workload: {workload.description}; {device_label()}; dtype: {dtype}")
-    results = run_benchmark(ctx, workload, args.methods.split(","))
+    results = run_benchmark(
+        ctx, workload, args.methods.split(","), repeats=args.repeats, warmups=args.warmups
+    )
     print(format_table(results, baseline=args.baseline))
     if args.json:
         write_json(args.json, workload, results, dtype=str(dtype))
@@ -241,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
         "'@bfloat16' a dtype, e.g. hf-static:64,engine,engine@bfloat16",
     )
     bench.add_argument("--baseline", default=None, help="method the speedups are relative to")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed rounds, every method once a round, interleaved (5 to judge a difference)",
+    )
+    bench.add_argument("--warmups", type=int, default=0, help="untimed rounds before them")
     bench.add_argument("--batch-size", type=int, default=16, help="rows per static batch")
     bench.add_argument("--json", default=None, help="also write the results here")
     bench.set_defaults(func=cmd_bench)
