@@ -2,9 +2,13 @@
 
 A batch-1 decode reads every weight once, so the product of one activation row with an int4
 weight should take as long as reading the int4 bytes. `csrc/quantized_linear.cpp` does that
-for a few rows (`GEMV_MAX_ROWS`): each thread walks whole output columns, widens a block of 32
-4-bit (or 8-bit) integers to float vectors in registers, multiplies them with every row's
-activations, and applies the group's scale once per block; nothing is written but the output.
+for a few rows (`GEMV_MAX_ROWS`): each thread walks whole output columns and turns a block of 32
+weights into float vectors in registers, then multiplies them with every row's activations;
+nothing is written but the output. An int4 block is dequantized by table lookup where vectors
+hold 16 floats (AVX512): the group's 16 possible weights, level * scale + minimum, fill one
+vector, and one permute per 16 weights picks them (`csrc/quantized_blocks.h`); with AVX2 the
+levels are widened to floats and scaled by one multiply-add. An int8 block is widened to floats,
+and its output column's scale multiplies the finished sum once.
 Many rows (a prompt, a large batch) make the product compute-bound instead: there the weight is
 dequantized a tile of `TILE_ROWS` output columns at a time into a buffer that stays in the cache,
 and a float matrix product (oneDNN's) reads the tile. No float copy of the whole weight is

@@ -1,4 +1,4 @@
-// Chapter 12, "Integers on both sides": the products of `quantized_linear.cpp` with the
+// Chapter 12, "Floats or integers on the other side": the products of `quantized_linear.cpp` with the
 // activations quantized too (W4A8, W8A8), as llama.cpp multiplies its Q4_1 weights by Q8_1
 // activations. Registered as torch.ops.minivllm_cpu.*:
 //
