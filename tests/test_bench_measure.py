@@ -8,7 +8,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.bench.measure import MET, NOT_MET, UNDECIDED, Spread, interleaved, verdict
+from minivllm.bench.measure import (
+    MET,
+    NOT_MET,
+    UNDECIDED,
+    Spread,
+    interleaved,
+    stopwatch,
+    verdict,
+)
 
 
 class FakeClock:
@@ -113,3 +121,11 @@ def test_a_spread_prints_its_median_and_range():
 def test_impossible_round_counts_are_refused(repeats, warmups):
     with pytest.raises(ValueError, match="repeats"):
         interleaved({"a": lambda: None}, repeats=repeats, warmups=warmups)
+
+
+def test_a_stopwatch_times_its_block_once_synchronized_on_both_ends():
+    clock, synchronized = FakeClock(), []
+    with stopwatch(synchronize=lambda: synchronized.append(clock.now), clock=clock) as watch:
+        clock.now += 3.5
+    assert watch.seconds == 3.5
+    assert synchronized == [0.0, 3.5]  # before the clock starts and before it stops

@@ -16,13 +16,17 @@ finding at all. So a comparison here is made the same way everywhere:
    reaches it, "not met" when even the best round misses it, and "undecided" when the goal lies
    inside the spread: that difference is noise until more rounds or a quieter machine say
    otherwise.
+
+What happens once and cannot be repeated in rounds (an engine's start-up, a first compilation)
+is timed by `stopwatch`, so that every timing of the book goes through this module.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -119,3 +123,25 @@ def verdict(ratio: Spread, goal: float) -> str:
     if ratio.high < goal:
         return NOT_MET
     return UNDECIDED
+
+
+@dataclass
+class Stopwatch:
+    seconds: float = 0.0
+
+
+@contextmanager
+def stopwatch(
+    synchronize: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter
+) -> Iterator[Stopwatch]:
+    """The duration of a one-off event: `with stopwatch() as watch: ...`, then `watch.seconds`.
+    A one-off number has no spread: say so where it is quoted, and compare in rounds instead
+    wherever the event can be repeated."""
+    watch = Stopwatch()
+    synchronize()
+    start = clock()
+    try:
+        yield watch
+    finally:
+        synchronize()
+        watch.seconds = clock() - start
