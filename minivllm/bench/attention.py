@@ -24,7 +24,8 @@ from minivllm.attention.backend import (
     get_attention_backend,
     slot_mapping,
 )
-from minivllm.bench.benchmark import best_time
+from minivllm.bench.benchmark import synchronize
+from minivllm.bench.measure import Timings, interleaved
 from minivllm.config import ModelConfig
 from minivllm.utils import cdiv
 
@@ -99,21 +100,40 @@ def random_decode_step(
     return random_step(config, pool, [1] * num_seqs, [context_len] * num_seqs, seed)
 
 
+def attention_step_timings(
+    backends: list[str],
+    pool: PagedKVCache,
+    step: AttentionStep,
+    num_layers: int,
+    repeats: int,
+    warmups: int = 1,
+) -> Timings:
+    """One step's attention on each of `backends`, timed in interleaved rounds
+    (`bench/measure.py`): each backend built once per step and called `num_layers` times; the
+    warm-up rounds compile or warm up and are left out."""
+    device = pool.layers[0].device
+
+    def one_step(backend_name: str):
+        backend_class = get_attention_backend(backend_name).for_device(device)
+
+        def run():
+            attention = backend_class(pool, step.metadata)
+            for _ in range(num_layers):
+                attention(0, step.q, step.k, step.v)
+
+        return run
+
+    runs = {name: one_step(name) for name in backends}
+    return interleaved(runs, repeats, warmups, synchronize=lambda: synchronize(device))
+
+
 def attention_step_seconds(
     backend_name: str, pool: PagedKVCache, step: AttentionStep, num_layers: int, repeats: int
 ) -> float:
-    """Seconds of one step's attention on `backend_name`: built once, called `num_layers` times
-    (fastest of `repeats`, after one untimed call that compiles or warms up)."""
-    device = pool.layers[0].device
-    backend_class = get_attention_backend(backend_name).for_device(device)
-
-    def one_step():
-        attention = backend_class(pool, step.metadata)
-        for _ in range(num_layers):
-            attention(0, step.q, step.k, step.v)
-
-    one_step()
-    return best_time(one_step, device, repeats)
+    """Seconds of one step's attention on `backend_name`: the median of `repeats` rounds of
+    `attention_step_timings`."""
+    timings = attention_step_timings([backend_name], pool, step, num_layers, repeats)
+    return timings.spread(backend_name).median
 
 
 def sweep_decode_attention(
@@ -126,14 +146,14 @@ def sweep_decode_attention(
     repeats: int = 3,
     block_size: int = 16,
 ) -> dict[str, dict[tuple[int, int], float]]:
-    """backend -> (batch, context) -> seconds of one decode step's attention, all layers."""
+    """backend -> (batch, context) -> seconds of one decode step's attention, all layers: the
+    median of `repeats` rounds, the backends interleaved within each case of the grid."""
     pool = one_layer_pool(config, max(batches), max(contexts), block_size, dtype, device)
     seconds: dict[str, dict[tuple[int, int], float]] = {name: {} for name in backends}
     for num_seqs in batches:
         for context_len in contexts:
             step = random_decode_step(config, pool, num_seqs, context_len)
+            timings = attention_step_timings(backends, pool, step, config.num_layers, repeats)
             for name in backends:
-                seconds[name][num_seqs, context_len] = attention_step_seconds(
-                    name, pool, step, config.num_layers, repeats
-                )
+                seconds[name][num_seqs, context_len] = timings.spread(name).median
     return seconds

@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -487,7 +486,7 @@ def run_benchmark(
         if method.setup is not None:  # untimed, before every timed run
             prepare[name] = functools.partial(method.setup, run_ctx, workload)
     timings = interleaved(
-        runs, repeats, warmups, prepare, synchronize=lambda: _synchronize(ctx.device)
+        runs, repeats, warmups, prepare, synchronize=lambda: synchronize(ctx.device)
     )
     results, first_outputs = [], None
     for name, (method, _, _) in zip(method_names, specs):
@@ -631,13 +630,14 @@ def model_flops(
 
 
 def measure_matmul_peak(dtype: torch.dtype, device: torch.device | str, size: int = 2048) -> float:
-    """The machine's matrix-multiply speed in FLOP/s: the best of a few large square products.
+    """The machine's matrix-multiply speed in FLOP/s on a large square product.
 
     Every way the code can multiply is timed, PyTorch's `torch.mm` and the model's `linear`
     (oneDNN for CPU float32 and bfloat16, on a plain and on a packed weight: see
-    models/linear.py), and the fastest counts: the peak is what the machine reaches, not what
-    one library reaches on it. Measured once per process for each dtype, device and size
-    (benchmarks ask for it again and again).
+    models/linear.py), interleaved in rounds after a warm-up (`bench/measure.py`), and the
+    fastest way's median counts: the peak is what the machine reaches, not what one library
+    reaches on it. Measured once per process for each dtype, device and size (benchmarks ask
+    for it again and again), so that every MFU of a run divides by the same peak.
     """
     key = (dtype, str(device), size)
     if key not in _MATMUL_PEAKS:
@@ -651,29 +651,28 @@ _MATMUL_PEAKS: dict[tuple[torch.dtype, str, int], float] = {}
 def _measure_matmul_peak(dtype: torch.dtype, device: torch.device | str, size: int) -> float:
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
-    products = [lambda: torch.mm(a, b), lambda: linear(a, b)]
+    products = {"torch.mm": lambda: torch.mm(a, b), "linear": lambda: linear(a, b)}
     packed = pack_weight(b)
     if packed is not None:  # only where the product runs on oneDNN
-        products.append(lambda: linear(a, b, packed_weight=packed))
-    return 2 * size**3 / min(best_time(product, device) for product in products)
+        products["linear, packed"] = lambda: linear(a, b, packed_weight=packed)
+    timings = interleaved(products, repeats=5, synchronize=lambda: synchronize(device))
+    return 2 * size**3 / min(timings.spread(name).median for name in products)
 
 
 def best_time(
     product: Callable[[], torch.Tensor], device: torch.device | str, repeats: int = 6
 ) -> float:
-    """Seconds of the fastest of `repeats` calls: the first warms up threads and caches, and
-    other processes only ever add time."""
-    best = float("inf")
-    for _ in range(repeats):
-        _synchronize(device)
-        start = time.perf_counter()
-        product()
-        _synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    """Seconds of the fastest of `repeats` calls of one product, through `bench/measure.py`'s
+    rounds (no warm-up round: the first call warms up and the fastest is kept). The GPU
+    chapters' benches still time their steps this way; a comparison takes medians instead."""
+    timings = interleaved(
+        {"product": product}, repeats, warmups=0, synchronize=lambda: synchronize(device)
+    )
+    return timings.spread("product").low
 
 
-def _synchronize(device: torch.device | str) -> None:
+def synchronize(device: torch.device | str) -> None:
+    """Wait for a GPU's queued work (nothing to wait for on a CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.bench.benchmark import best_time
+from minivllm.bench.benchmark import synchronize
+from minivllm.bench.measure import interleaved
 from minivllm.config import ModelConfig
 from minivllm.models.quantization import INT4_GROUP_SIZE
 
@@ -145,9 +146,12 @@ def ridge_batch_size(
 def measure_memory_bandwidth(
     device: torch.device | str = "cpu", megabytes: int = 512, repeats: int = 5
 ) -> float:
-    """Bytes per second of a large copy (read + write), the best of a few: the bandwidth a
-    decode step's weight reads can hope for."""
+    """Bytes per second of a large copy (read + write), the median of `repeats` rounds after
+    one warm-up (`bench/measure.py`): the bandwidth a decode step's weight reads can hope for."""
     source = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
     target = torch.empty_like(source)
-    seconds = best_time(lambda: target.copy_(source), device, repeats)
+    timings = interleaved(
+        {"copy": lambda: target.copy_(source)}, repeats, synchronize=lambda: synchronize(device)
+    )
+    seconds = timings.spread("copy").median
     return 2 * source.numel() * source.element_size() / seconds
