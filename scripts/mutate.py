@@ -105,6 +105,10 @@ _STRICT_ZIP = (
     " lengths, so the check never fires"
 )
 _LOW_INCLUSIVE = "low_inclusive=False -> None: both are false, the same bound (> 0)"
+_INT_COUNTS = (
+    "the token counts left as int64 instead of float32: frequency * counts and counts > 0 give"
+    " the same float32 logits (counts are small integers, exact in either)"
+)
 EQUIVALENT: dict[str, str] = {
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_34": _ON_THE_CPU,
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_39": (
@@ -236,6 +240,17 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_5": "adjusted[:0] -> adjusted[:1] where no row samples at random: the callers read the truncated rows only for the random rows, none here",
     "minivllm.sample.sampling_params.xǁSamplingParamsǁ_validate_sampling_knobs__mutmut_16": _LOW_INCLUSIVE,
     "minivllm.sample.sampling_params.xǁSamplingParamsǁ_validate_penalties__mutmut_33": _LOW_INCLUSIVE,
+    "minivllm.sample.sampler.xǁSamplerǁprobabilities__mutmut_12": _SAME_AXIS,
+    "minivllm.sample.sampler.xǁSamplerǁprobabilities__mutmut_14": _SAME_AXIS,
+    "minivllm.sample.sampler.xǁSamplerǁprobabilities__mutmut_23": _SAME_AXIS,
+    "minivllm.sample.sampler.xǁSamplerǁprobabilities__mutmut_33": _SAME_AXIS,
+    "minivllm.sample.sampler.x_prompt_token_logprobs__mutmut_13": _SAME_AXIS,
+    "minivllm.sample.sampler.xǁSamplerǁlogprobs__mutmut_13": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁlogprobs__mutmut_15": _DEVICE,
+    "minivllm.sample.sampler.x_prompt_token_logprobs__mutmut_3": _DEVICE,
+    "minivllm.sample.sampler.x_prompt_token_logprobs__mutmut_5": _DEVICE,
+    "minivllm.sample.sampler.x__token_counts__mutmut_11": _INT_COUNTS,
+    "minivllm.sample.sampler.x__token_counts__mutmut_13": _INT_COUNTS,
 }
 
 # mutmut's exit codes (mutmut/stats.py): a failing test (1), pytest's internal error (3), a
