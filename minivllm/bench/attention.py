@@ -136,6 +136,32 @@ def attention_step_seconds(
     return timings.spread(backend_name).median
 
 
+def decode_attention_timings(
+    config: ModelConfig,
+    backends: list[str],
+    batches: list[int],
+    contexts: list[int],
+    dtype: torch.dtype,
+    device: torch.device | str,
+    repeats: int = 3,
+    block_size: int = 16,
+) -> dict[tuple[int, int], Timings]:
+    """(batch, context) -> one decode step's attention on every backend, all layers, the
+    backends interleaved in rounds (`attention_step_timings`)."""
+    pool = one_layer_pool(config, max(batches), max(contexts), block_size, dtype, device)
+    return {
+        (num_seqs, context_len): attention_step_timings(
+            backends,
+            pool,
+            random_decode_step(config, pool, num_seqs, context_len),
+            config.num_layers,
+            repeats,
+        )
+        for num_seqs in batches
+        for context_len in contexts
+    }
+
+
 def sweep_decode_attention(
     config: ModelConfig,
     backends: list[str],
@@ -147,13 +173,11 @@ def sweep_decode_attention(
     block_size: int = 16,
 ) -> dict[str, dict[tuple[int, int], float]]:
     """backend -> (batch, context) -> seconds of one decode step's attention, all layers: the
-    median of `repeats` rounds, the backends interleaved within each case of the grid."""
-    pool = one_layer_pool(config, max(batches), max(contexts), block_size, dtype, device)
-    seconds: dict[str, dict[tuple[int, int], float]] = {name: {} for name in backends}
-    for num_seqs in batches:
-        for context_len in contexts:
-            step = random_decode_step(config, pool, num_seqs, context_len)
-            timings = attention_step_timings(backends, pool, step, config.num_layers, repeats)
-            for name in backends:
-                seconds[name][num_seqs, context_len] = timings.spread(name).median
-    return seconds
+    median of `decode_attention_timings`' rounds."""
+    timings = decode_attention_timings(
+        config, backends, batches, contexts, dtype, device, repeats, block_size
+    )
+    return {
+        name: {case: timed.spread(name).median for case, timed in timings.items()}
+        for name in backends
+    }
