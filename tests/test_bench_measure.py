@@ -52,6 +52,7 @@ def test_methods_run_interleaved_in_rounds_and_warmups_are_left_out():
     assert calls == ["a", "b"] * 5  # A B, A B, ... not A A A A A B B B B B
     assert timings.seconds == {"a": [12.0, 13.0, 14.0], "b": [1.0, 1.0, 1.0]}
     assert timings.results == {"a": 5, "b": 5}  # the last call's result
+    assert timings.round_results == {"a": [3, 4, 5], "b": [3, 4, 5]}  # the timed rounds'
     assert timings.spread("a").median == 13.0
 
 

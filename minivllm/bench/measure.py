@@ -65,11 +65,12 @@ class Spread:
 
 @dataclass
 class Timings(Generic[Result]):
-    """What `interleaved` measured: each method's seconds round by round (warm-ups left out),
-    and the result its last call returned."""
+    """What `interleaved` measured: each method's seconds and results round by round (warm-ups
+    left out), and the result its last call returned."""
 
     seconds: dict[str, list[float]] = field(default_factory=dict)
     results: dict[str, Result] = field(default_factory=dict)
+    round_results: dict[str, list[Result]] = field(default_factory=dict)
 
     def spread(self, method: str) -> Spread:
         return Spread(tuple(self.seconds[method]))
@@ -96,7 +97,9 @@ def interleaved(
     if repeats < 1 or warmups < 0:
         raise ValueError(f"repeats must be >= 1 and warmups >= 0, not {repeats} and {warmups}")
     prepare = prepare or {}
-    timings: Timings[Result] = Timings({name: [] for name in runs})
+    timings: Timings[Result] = Timings(
+        {name: [] for name in runs}, round_results={name: [] for name in runs}
+    )
     for round_number in range(warmups + repeats):
         for name, run in runs.items():
             if name in prepare:
@@ -108,6 +111,7 @@ def interleaved(
             seconds = clock() - start
             if round_number >= warmups:
                 timings.seconds[name].append(seconds)
+                timings.round_results[name].append(result)
             timings.results[name] = result
     return timings
 
