@@ -330,8 +330,45 @@ def test_gguf_scales_are_the_files_and_rounded_once_for_the_kernel(tiny_model_di
 def test_a_gguf_file_of_an_unknown_architecture_is_refused(tiny_model_dirs, tmp_path):
     """A file whose q/k layout minivllm does not know must not load as a wrong model."""
     model_dir = tiny_model_with_gguf(tiny_model_dirs, "llama", "gemma2", tmp_path)
-    with pytest.raises(ValueError, match=r"architecture 'gemma2'.*llama, qwen2, qwen3"):
+    with pytest.raises(ValueError) as refused:
         load_model(model_dir, quantization="gguf")
+    assert str(refused.value) == (
+        f"{model_dir / 'model.Q4_1.gguf'}: GGUF architecture 'gemma2' is not supported by "
+        "quantization='gguf'; supported: llama, qwen2, qwen3"
+    )
+
+
+def test_a_gguf_file_without_an_architecture_is_refused():
+    """No general.architecture at all: refused the same way, naming None."""
+    no_field = mock.Mock(get_field=lambda name: None)
+    with pytest.raises(ValueError, match=r"^f.gguf: GGUF architecture None is not supported"):
+        q.gguf_architecture(no_field, "f.gguf")
+
+
+def test_only_the_q4_1_linear_weights_of_a_gguf_file_are_read(tmp_path):
+    """A linear weight kept in another type (llama.cpp keeps some in F32 or Q8_0) and a Q4_1
+    tensor that is no linear layer (the token embeddings) are left out; the linear Q4_1 one
+    comes back under its Hugging Face name."""
+    import gguf
+
+    rows = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)).numpy()
+    q4_1 = gguf.quants.quantize(rows, gguf.GGMLQuantizationType.Q4_1)
+    path = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(path, arch="qwen2")
+    writer.add_tensor("blk.0.ffn_up.weight", q4_1, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.ffn_down.weight", rows)
+    writer.add_tensor("token_embd.weight", q4_1, raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    read = q.read_q4_1_linear_weights(path, num_heads=2, num_kv_heads=1)
+
+    assert list(read) == ["model.layers.0.mlp.up_proj.weight"]
+    levels = gguf.quants.dequantize(q4_1, gguf.GGMLQuantizationType.Q4_1)
+    dequantized = q.dequantize_int4(*read["model.layers.0.mlp.up_proj.weight"], 32)
+    assert torch.equal(dequantized, torch.from_numpy(levels))
 
 
 def dequantized_hf_model(path, method: str):
@@ -523,9 +560,35 @@ def test_int8_products_switch_kernel_past_the_fused_rows_and_copy_the_weight_onc
         out = int8.matmul(x)
     products = ran.names & MATRIX_PRODUCTS
     assert (products == {INT8}) if fused else (products and INT8 not in products)
+    assert int8.product_for(num_rows) == ("fused" if fused else "dequantized")
     assert ran.float_shapes.count((48, 64)) == (0 if fused else 1)
     expected = x.double() @ q.dequantize_int8(int8.q, int8.scale).double().T
     torch.testing.assert_close(out.double(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_quantize_weight_refuses_an_unknown_method_and_groups_as_asked():
+    weight = torch.randn(16, 128, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError) as refused:
+        q.quantize_weight(weight, "int3")
+    assert str(refused.value) == "no weight quantization 'int3': it is 'int8' or 'int4'"
+    int4 = q.quantize_weight(weight, "int4", group_size=64)
+    assert int4.group_size == 64
+    reference = q.dequantize_int4(*q.quantize_int4(weight, 64), 64)
+    torch.testing.assert_close(int4.matmul(torch.eye(128)).T, reference, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError) as refused:
+        q.quantize_int4(weight[:, :48], 32)
+    assert str(refused.value) == "int4 groups of 32 do not divide a row of 48 weights"
+
+
+def test_the_smallest_normal_scale_is_still_a_scale():
+    """A group spanning exactly 15 x the smallest normal float32 has that scale (normal, all
+    16 levels kept): its largest weight comes back, not only its minimum."""
+    top = 15 * q.SMALLEST_SCALE
+    weight = torch.zeros(1, 32)
+    weight[0, 1] = top
+    levels, scale, minimum = q.quantize_int4(weight, 32)
+    assert scale.item() == q.SMALLEST_SCALE and levels[0, 1] == 15
+    assert q.dequantize_int4(levels, scale, minimum, 32)[0, 1].item() == top
 
 
 def test_an_unknown_quantization_is_refused():
