@@ -115,6 +115,11 @@ _INT_COUNTS = (
     "the token counts left as int64 instead of float32: frequency * counts and counts > 0 give"
     " the same float32 logits (counts are small integers, exact in either)"
 )
+_IN_RANGE = (
+    "a bound of the levels' clamp dropped: round(w / scale) is within them by construction"
+    " (the largest |w| or the group's range is the scale times 127 or 15, rounding absorbs the"
+    " last bit, and a replaced scale of 1 leaves only zeros)"
+)
 EQUIVALENT: dict[str, str] = {
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_34": _ON_THE_CPU,
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_39": (
@@ -257,6 +262,20 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.sample.sampler.x_prompt_token_logprobs__mutmut_5": _DEVICE,
     "minivllm.sample.sampler.x__token_counts__mutmut_11": _INT_COUNTS,
     "minivllm.sample.sampler.x__token_counts__mutmut_13": _INT_COUNTS,
+    "minivllm.models.quantization.x_quantize_int8__mutmut_16": _IN_RANGE,
+    "minivllm.models.quantization.x_quantize_int8__mutmut_17": _IN_RANGE,
+    "minivllm.models.quantization.x_quantize_int8__mutmut_19": _IN_RANGE,
+    "minivllm.models.quantization.x_quantize_int4__mutmut_32": _IN_RANGE,
+    "minivllm.models.quantization.x_quantize_int4__mutmut_33": _IN_RANGE,
+    "minivllm.models.quantization.x_quantize_int4__mutmut_35": _IN_RANGE,
+    "minivllm.models.quantization.xǁInt8Weightǁrows__mutmut_3": (
+        "q.to(scale's dtype) -> q.to(None), which keeps int8: int8 times the scale promotes to"
+        " the scale's dtype anyway, and the levels are exact in it"
+    ),
+    "minivllm.models.quantization.xǁInt4Weightǁ__init____mutmut_47": (
+        "inner_k_tiles 1 -> 2 for PyTorch's CPU packing, which does not read it (the packed"
+        " tensors are equal); tinygemm's CUDA packing is the one that tiles K"
+    ),
 }
 
 # mutmut's exit codes (mutmut/stats.py): a failing test (1), pytest's internal error (3), a

@@ -188,6 +188,20 @@ def test_int4_reference_path_where_no_kernel_fits():
         assert kernel(60, 32, torch.bfloat16, "cpu") == "reference"
 
 
+@pytest.mark.parametrize(
+    "columns, tiles", [(256, 8), (128, 8), (64, 4), (96, 2), (32, 2), (48, None), (40, None)]
+)
+def test_tinygemms_packing_tiles_k_by_the_most_inner_tiles_that_divide_it(columns, tiles):
+    """On CUDA, K is packed in tiles of 16 x inner_k_tiles, the largest of 8, 4 and 2 that
+    divides K; a K none divides takes the reference product. (A layout is decided without a
+    GPU.)"""
+    layout = q.int4_layout(torch.Size([64, columns]), 32, torch.bfloat16, "cuda")
+    if tiles is None:
+        assert layout == q.Int4Layout("reference")
+    else:
+        assert layout == q.Int4Layout("cuda", tiles)
+
+
 def test_the_q4_1_reader_gives_the_files_own_weights(embedded_dir):
     """Unpacked blocks, dequantized by the scheme's formula, equal the gguf library's
     dequantization of the same tensors; after undoing llama.cpp's row permutation, they equal
@@ -572,7 +586,7 @@ def test_quantize_weight_refuses_an_unknown_method_and_groups_as_asked():
         q.quantize_weight(weight, "int3")
     assert str(refused.value) == "no weight quantization 'int3': it is 'int8' or 'int4'"
     int4 = q.quantize_weight(weight, "int4", group_size=64)
-    assert int4.group_size == 64
+    assert (int4.group_size, int4.dtype) == (64, torch.float32)
     reference = q.dequantize_int4(*q.quantize_int4(weight, 64), 64)
     torch.testing.assert_close(int4.matmul(torch.eye(128)).T, reference, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError) as refused:
@@ -580,15 +594,36 @@ def test_quantize_weight_refuses_an_unknown_method_and_groups_as_asked():
     assert str(refused.value) == "int4 groups of 32 do not divide a row of 48 weights"
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_a_product_keeps_the_leading_dimensions_of_its_input(method):
+    """x [..., K] @ w.T is [..., N]: a [2, 3, K] batch gives [2, 3, N], each row the product
+    of that row of x with the dequantized weight."""
+    weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(6))
+    if method == "int8":
+        dequantized = q.dequantize_int8(*q.quantize_int8(weight))
+    else:
+        dequantized = q.dequantize_int4(*q.quantize_int4(weight, 32), 32)
+
+    out = q.quantize_weight(weight, method).matmul(x)
+
+    assert out.shape == (2, 3, 32)
+    torch.testing.assert_close(out, x @ dequantized.T, rtol=1e-4, atol=1e-4)
+
+
 def test_the_smallest_normal_scale_is_still_a_scale():
-    """A group spanning exactly 15 x the smallest normal float32 has that scale (normal, all
-    16 levels kept): its largest weight comes back, not only its minimum."""
-    top = 15 * q.SMALLEST_SCALE
+    """An int4 group spanning exactly 15 x the smallest normal float32, or an int8 row reaching
+    127 x it, has that scale (normal, every level kept): its largest weight comes back, not
+    zero or only its minimum."""
     weight = torch.zeros(1, 32)
-    weight[0, 1] = top
+    weight[0, 1] = 15 * q.SMALLEST_SCALE
     levels, scale, minimum = q.quantize_int4(weight, 32)
     assert scale.item() == q.SMALLEST_SCALE and levels[0, 1] == 15
-    assert q.dequantize_int4(levels, scale, minimum, 32)[0, 1].item() == top
+    assert torch.equal(q.dequantize_int4(levels, scale, minimum, 32), weight)
+    weight[0, 1] = 127 * q.SMALLEST_SCALE
+    levels, scale = q.quantize_int8(weight)
+    assert scale.item() == q.SMALLEST_SCALE and levels[0, 1] == 127
+    assert torch.equal(q.dequantize_int8(levels, scale), weight)
 
 
 def test_an_unknown_quantization_is_refused():
