@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,9 +17,10 @@ import pytest
 import torch
 from filelock import FileLock
 
-from minivllm.bench.gpu import ch09_serving, main, smoke
+from minivllm.bench.gpu import ch09_serving, common, main, smoke
 from minivllm.bench.gpu.ch01b_sampler_cost import SAMPLER_SETTINGS
 from minivllm.bench.gpu.common import QUICK_SIZES, all_reduce_between_processes
+from minivllm.bench.measure import Spread
 from minivllm.models.loader import embedded_model_dir, load_tokenizer
 
 CHAPTER_STEMS = [
@@ -67,6 +70,14 @@ def records(tmp_path_factory, worker_id) -> dict[str, dict]:
         assert (out_dir / f"{stem}.png").stat().st_size > 10_000, f"{stem}.png is missing or empty"
     assert not (out_dir / "smoke.png").exists()  # the smoke's record is its statuses
     return {stem: json.loads((out_dir / f"{stem}.json").read_text()) for stem in STEMS}
+
+
+def assert_spreads(medians: list[float], spreads: list[dict]) -> None:
+    """Each median a record quotes has its rounds' {median, low, high} beside it."""
+    assert len(medians) == len(spreads) > 0
+    for median, spread in zip(medians, spreads):
+        assert spread["median"] == pytest.approx(median)
+        assert 0 < spread["low"] <= spread["median"] <= spread["high"]
 
 
 def by_method(record: dict) -> dict[str, dict]:
@@ -152,7 +163,7 @@ def test_naive_cost_and_kv_cache_methods_agree_with_transformers(records):
     naive = records["01-cost-vs-length"]
     assert list(by_method(naive)) == ["hf", "naive"]
     assert len(naive["step_seconds"]) == len(naive["step_lengths"])
-    assert all(seconds > 0 for seconds in naive["step_seconds"])
+    assert_spreads(naive["step_seconds"], naive["step_seconds_spread"])
 
     kv_cache = records["02-kv-cache"]
     methods = by_method(kv_cache)
@@ -161,7 +172,8 @@ def test_naive_cost_and_kv_cache_methods_agree_with_transformers(records):
     assert methods["static@bfloat16"]["output_tokens"] == methods["static"]["output_tokens"]
     # Greedy float32: every method gives transformers' tokens.
     assert all(result["same_tokens_as_first"] == 1.0 for result in float32_rows(kv_cache))
-    assert all(seconds > 0 for seconds in kv_cache["decode_step_seconds"])
+    assert_spreads(kv_cache["decode_step_seconds"], kv_cache["decode_step_seconds_spread"])
+    assert len(kv_cache["decode_step_seconds"]) == len(kv_cache["decode_rows"])
     static = kv_cache["static_batch"]
     assert static["reserved_kv_bytes"] >= static["needed_kv_bytes"] > 0
     assert 0 < static["useful_rows"] <= static["computed_rows"]
@@ -177,6 +189,7 @@ def test_memory_waste_paged_holds_more_tokens_than_a_max_length_reservation(reco
         held <= slots for held, slots in zip(per_step["tokens_held"], per_step["paged_slots"])
     )
     assert len(memory["attention_seconds"]) == len(memory["attention_block_sizes"])
+    assert_spreads(memory["attention_seconds"], memory["attention_seconds_spread"])
 
 
 def test_throughput_runs_every_method_on_the_whole_workload(records):
@@ -229,8 +242,9 @@ def test_attention_backends_run_side_by_side_with_the_same_tokens(records):
     assert all(result["same_tokens_as_first"] == 1.0 for result in float32_rows(kernels))
     assert len({result["output_tokens"] for result in methods.values()}) == 1
     assert all(set(row["ms"]) == set(backends) for row in kernels["decode_attention"])
-    assert all(ms > 0 for row in kernels["decode_attention"] for ms in row["ms"].values())
-    assert set(kernels["prefill_attention"]["ms"]) == set(backends)
+    for row in [*kernels["decode_attention"], kernels["prefill_attention"]]:
+        assert set(row["ms"]) == set(row["ms_spread"]) == set(backends)
+        assert_spreads(list(row["ms"].values()), list(row["ms_spread"].values()))
     assert (kernels["triton_decode_bandwidth"] is not None) == torch.cuda.is_available()
 
 
@@ -267,7 +281,8 @@ def test_all_reduce_times_grow_with_the_message(records):
 def test_parallel_projection_divides_compute_and_adds_communication(records):
     parallel = records["07-parallelism"]
     assert parallel["machine"]["peak_flops"] > 0 and parallel["machine"]["bandwidth"] > 0
-    assert all(row["measured_s"] > 0 for row in parallel["decode_steps"])
+    steps = parallel["decode_steps"]
+    assert_spreads([row["measured_s"] for row in steps], [row["measured_spread"] for row in steps])
     assert all(row["projected_s"] > 0 for row in parallel["decode_steps"])
     steps = {(row["model"], row["batch"], row["tp"]): row for row in parallel["projection"]}
     models = {model for model, _, _ in steps}
@@ -302,6 +317,11 @@ def test_speculative_decoding_keeps_greedy_tokens(records):
     assert all(row["same_tokens"] is True for row in batch1)
     assert all(row["tokens_per_s"] > 0 and row["speedup"] > 0 for row in batch1)
     assert all(row["speedup"] == 1 for row in batch1 if row["method"] == "plain")
+    # Rates and speedups are medians of rounds, each speedup's ratios taken within a round.
+    assert_spreads([row["speedup"] for row in batch1], [row["speedup_spread"] for row in batch1])
+    assert_spreads(
+        [row["tokens_per_s"] for row in batch1], [row["tokens_per_s_spread"] for row in batch1]
+    )
     acceptance = speculative["acceptance_per_position"]
     assert set(acceptance) == {
         f"{method}/{workload}"
@@ -322,8 +342,10 @@ def test_speculative_decoding_keeps_greedy_tokens(records):
         assert all(later <= earlier for earlier, later in zip(shares, shares[1:])), key
     sweep = speculative["batch_sweep"]
     assert [row["batch"] for row in sweep] == sorted(row["batch"] for row in sweep)
+    assert_spreads([row["ratio"] for row in sweep], [row["ratio_spread"] for row in sweep])
     for row in sweep:
         assert row["plain_tokens_per_s"] > 0 and row["speculative_tokens_per_s"] > 0
+        # One round in a quick run: the ratio within it is the ratio of the two rates.
         assert row["ratio"] == pytest.approx(
             row["speculative_tokens_per_s"] / row["plain_tokens_per_s"]
         )
@@ -335,7 +357,8 @@ def test_sampler_cost_has_every_setting_at_every_batch(records):
     assert measured == {
         (setting, rows) for setting in SAMPLER_SETTINGS for rows in QUICK_SIZES.sampler_batches
     }
-    assert all(row["ms"] > 0 for row in record["sampler_ms"])
+    rows = record["sampler_ms"]
+    assert_spreads([row["ms"] for row in rows], [row["ms_spread"] for row in rows])
     assert record["vocab_size"] > 0
 
 
@@ -347,7 +370,9 @@ def test_structured_outputs_time_both_modes_on_the_same_requests(records):
     for row in (free, constrained):
         assert row["output_tokens"] > 0
         assert row["tokens_per_s"] == pytest.approx(row["output_tokens"] / row["seconds"])
+        assert_spreads([row["seconds"]], [row["seconds_spread"]])
     assert record["ratio"] == pytest.approx(constrained["tokens_per_s"] / free["tokens_per_s"])
+    assert_spreads([record["ratio"]], [record["ratio_spread"]])
     assert record["compile_seconds"] > 0
 
 
@@ -366,6 +391,10 @@ def test_compiled_step_gives_the_eager_tokens(records):
             compiled["output_tokens_per_s"] / eager["output_tokens_per_s"]
         )
     assert record["batch1"][0]["num_requests"] == 1
+    for name, speedups in record["speedups"].items():
+        spreads = record["speedup_spreads"][name]
+        assert set(speedups) == set(spreads) == {"float32"}
+        assert_spreads(list(speedups.values()), list(spreads.values()))
 
 
 def test_quantization_rates_ratios_and_bounds(records):
@@ -387,6 +416,10 @@ def test_quantization_rates_ratios_and_bounds(records):
             int4["output_tokens_per_s"] / bf16["output_tokens_per_s"]
         )
     assert record["results"][0]["num_requests"] == 1
+    for name, ratios in record["ratios"].items():
+        spreads = record["ratio_spreads"][name]
+        assert list(ratios) == list(spreads) == record["schemes"]
+        assert_spreads(list(ratios.values()), list(spreads.values()))
     weights = record["weight_bytes"]
     assert 0 < weights["int4"]["loaded"] < weights["bfloat16"]["loaded"]
     assert 0 < weights["int4"]["model"] < weights["bfloat16"]["model"]
@@ -435,6 +468,57 @@ def test_a_failing_chapter_or_smoke_branch_is_recorded_and_the_others_still_run(
     assert "RuntimeError" in error["traceback"]
     assert (out_dir / "00-logits.json").exists() and (out_dir / "00-logits.png").exists()
     assert not list(out_dir.glob("04-*"))
+
+
+def test_no_module_of_the_gpu_bench_reads_a_clock_of_its_own():
+    """Every timing goes through bench/measure.py (through `Run.rounds`, `run_benchmark`, the
+    bench helpers, or its stopwatch for a one-off): none times with a clock of its own."""
+    package = Path(main.__file__).parent
+    sources = {path.name: path.read_text() for path in package.glob("*.py")}
+    assert "ch08_speculative_decoding.py" in sources and "common.py" in sources
+    for name, source in sources.items():
+        for clock in ("perf_counter", "time.time(", "monotonic", "import time", "best_time("):
+            assert clock not in source, f"{name} times with {clock}"
+
+
+def fake_run(**sizes) -> SimpleNamespace:
+    """What `Run.rounds` and `Run.engine_rounds` use of a run: its sizes and device."""
+    run = SimpleNamespace(sizes=replace(QUICK_SIZES, **sizes), device=torch.device("cpu"))
+    run.rounds = partial(common.Run.rounds, run)
+    return run
+
+
+def test_rounds_interleave_the_methods_after_an_untimed_round():
+    calls = []
+    run = fake_run(repeats=2)
+    timings = common.Run.rounds(
+        run, {"a": partial(calls.append, "a"), "b": partial(calls.append, "b")}
+    )
+    assert calls == ["a", "b"] * 3  # one untimed round, then two timed, A B A B A B
+    assert [len(timings.seconds[name]) for name in "ab"] == [2, 2]
+    assert len(common.Run.sweep(run, {16: partial(calls.append, 16)})) == 1
+
+
+@pytest.mark.parametrize(("engine_repeats", "calls"), [(1, 1), (3, 4)])
+def test_engine_rounds_warm_up_only_when_repeated(engine_repeats, calls):
+    """A quick run's whole workloads run once each, timed; a full run's get an untimed round
+    first, as `run_benchmark` runs them."""
+    made = []
+    run = fake_run(engine_repeats=engine_repeats)
+    timings = common.Run.engine_rounds(
+        run, {"engine": partial(made.append, 1)}, prepare={"engine": partial(made.append, 0)}
+    )
+    assert made == [0, 1] * calls  # prepared, untimed, before every call
+    assert len(timings.seconds["engine"]) == engine_repeats
+
+
+def test_rates_and_ratios_are_taken_round_by_round():
+    rates = common.rate_spread(10, Spread((1.0, 2.0)))
+    assert rates.values == (10.0, 5.0)
+    assert common.ratio_spread(rates, Spread((5.0, 5.0))).values == (2.0, 1.0)
+    with pytest.raises(ValueError):  # rounds of different runs cannot pair
+        common.ratio_spread(rates, Spread((5.0,)))
+    assert common.spread_record(rates, 1e3) == dict(median=7500.0, low=5000.0, high=10000.0)
 
 
 def test_unknown_chapters_are_refused_by_name():

@@ -12,12 +12,10 @@ from functools import partial
 from random import Random
 
 import matplotlib.pyplot as plt
-import numpy as np
 import torch
 
 from minivllm.baselines.naive import CausalAttention
-from minivllm.bench.benchmark import best_time
-from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu.common import Chapter, Run, plot_spreads, spread_record
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.workloads import chat_prompt_of_length, throughput_workload
 
@@ -26,8 +24,9 @@ def measure_naive_cost(run: Run) -> Chapter:
     """One no-cache step against the sequence length, then the no-cache loop against
     transformers' `generate` (which keeps a KV cache) on whole requests.
 
-    JSON: step_lengths (tokens), step_seconds (the fastest of `repeats` forward passes over that
-    many tokens, logits of the last one), and results: "hf", then "naive".
+    JSON: step_lengths (tokens), step_seconds (one forward pass over that many tokens, logits of
+    the last one: the median of `repeats` rounds, the lengths interleaved), step_seconds_spread
+    (each length's {median, low, high}), and results: "hf", then "naive".
     """
     lengths = list(run.sizes.step_lengths)
     long_prompt = chat_prompt_of_length(run.tokenizer, max(lengths), Random(0))
@@ -39,14 +38,14 @@ def measure_naive_cost(run: Run) -> Chapter:
         hidden = run.model(ids, positions, CausalAttention([0, length]))
         return run.model.compute_logits(hidden[-1:])
 
-    step_seconds = [best_time(partial(one_step, n), run.device, run.sizes.repeats) for n in lengths]
+    steps = run.sweep({n: partial(one_step, n) for n in lengths})
     workload = throughput_workload(
         run.tokenizer, run.sizes.naive_requests, (20, 300), run.sizes.naive_output
     )
     results = run.benchmark(run.context(), workload, ["hf", "naive"])
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
-    ax1.plot(lengths, np.array(step_seconds) * 1e3, "o-")
+    plot_spreads(ax1, lengths, steps, 1e3)
     ax1.set_xlabel("sequence length L (tokens)")
     ax1.set_ylabel("time of one no-cache step (ms)")
     ax1.set_ylim(bottom=0)
@@ -60,5 +59,9 @@ def measure_naive_cost(run: Run) -> Chapter:
         workload,
         fig,
         results,
-        dict(step_lengths=lengths, step_seconds=step_seconds),
+        dict(
+            step_lengths=lengths,
+            step_seconds=[step.median for step in steps],
+            step_seconds_spread=[spread_record(step) for step in steps],
+        ),
     )

@@ -11,8 +11,7 @@ from functools import partial
 import matplotlib.pyplot as plt
 import torch
 
-from minivllm.bench.benchmark import best_time
-from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu.common import Chapter, Run, spread_record
 from minivllm.bench.workloads import Workload
 from minivllm.sample.sampler import Sampler, SamplingRow, make_generator
 from minivllm.sample.sampling_params import SamplingParams
@@ -28,28 +27,36 @@ SAMPLER_SETTINGS = {
 }
 
 
+def sampling_rows(params: SamplingParams, rows: int) -> list[SamplingRow]:
+    """`rows` rows of one setting, each with 64 tokens of history (and, seeded, a generator of
+    its own)."""
+    history = list(range(64))
+    return [
+        SamplingRow(params, history, history, make_generator(0) if params.seed else None)
+        for _ in range(rows)
+    ]
+
+
 def measure_sampler_cost(run: Run) -> Chapter:
     """The sampler alone on random float32 logits over the model's vocabulary: milliseconds per
     call for each decoding setting and number of rows, each row with 64 tokens of history.
 
-    JSON: results (empty); sampler_ms: [{"setting", "rows", "ms"}]; vocab_size.
+    JSON: results (empty); sampler_ms: [{"setting", "rows", "ms" (the median of `repeats`
+    rounds, the settings interleaved), "ms_spread" {median, low, high}}]; vocab_size.
     """
     vocab = run.model.config.vocab_size
-    history = list(range(64))
     generator = torch.Generator(device=run.device).manual_seed(0)
     sampler = Sampler(default_generator=generator)
     rows_ms = []
     for rows in run.sizes.sampler_batches:
         logits = torch.randn(rows, vocab, device=run.device, generator=generator)
-        for setting, params in SAMPLER_SETTINGS.items():
-            sampling_rows = [
-                SamplingRow(params, history, history, make_generator(0) if params.seed else None)
-                for _ in range(rows)
-            ]
-            seconds = best_time(
-                partial(sampler, logits, sampling_rows), run.device, run.sizes.repeats
-            )
-            rows_ms.append(dict(setting=setting, rows=rows, ms=1e3 * seconds))
+        calls = {
+            setting: partial(sampler, logits, sampling_rows(params, rows))
+            for setting, params in SAMPLER_SETTINGS.items()
+        }
+        for setting, seconds in zip(calls, run.sweep(calls)):
+            ms = dict(ms=seconds.median * 1e3, ms_spread=spread_record(seconds, 1e3))
+            rows_ms.append(dict(setting=setting, rows=rows) | ms)
     print("\n".join(f"{r['setting']:>16}, {r['rows']:>4} rows: {r['ms']:.3f} ms" for r in rows_ms))
 
     fig, ax = plt.subplots(figsize=(10, 4), layout="constrained")

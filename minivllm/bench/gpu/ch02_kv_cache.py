@@ -12,7 +12,16 @@ import torch
 
 from minivllm.baselines.kv_cache import generate_static_batch
 from minivllm.bench.benchmark import BenchmarkContext, greedy_requests
-from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run, decode_step_seconds
+from minivllm.bench.gpu.common import (
+    DTYPE,
+    Chapter,
+    MiB,
+    Run,
+    plot_spreads,
+    rate_spread,
+    spread_record,
+    time_decode_steps,
+)
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.workloads import throughput_workload, varied_output_workload
 from minivllm.sample.sampler import Sampler
@@ -24,8 +33,9 @@ def measure_kv_cache(run: Run) -> Chapter:
 
     JSON: results ("hf", "naive", "kv-cache", "static", "static@bfloat16" and "hf-static", one
     static batch of all requests; the bfloat16 row is for speed, its tokens may differ);
-    decode_rows, decode_step_seconds (the fastest of `repeats` decode steps with decode_context
-    cached tokens per row); kv_bytes_per_token {dtype: bytes}; static_batch
+    decode_rows, decode_step_seconds (one decode step with decode_context cached tokens per row:
+    the median of `repeats` rounds, the row counts interleaved), decode_step_seconds_spread
+    (each one's {median, low, high}); kv_bytes_per_token {dtype: bytes}; static_batch
     {workload, reserved_kv_bytes (rows x longest prompt + longest output), needed_kv_bytes (each
     request's final length), decode_steps, computed_rows, useful_rows}.
     """
@@ -36,14 +46,16 @@ def measure_kv_cache(run: Run) -> Chapter:
     ctx = run.context(batch_size=workload.num_requests)
     methods = ["hf", "naive", "kv-cache", "static", "static@bfloat16", "hf-static"]
     results = run.benchmark(ctx, workload, methods)
-    decode_seconds = [decode_step_seconds(run, rows) for rows in sizes.decode_rows]
+    decode = time_decode_steps(run, sizes.decode_rows, sizes.decode_context)
     static_batch = static_batch_memory(run, ctx)
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.4), layout="constrained")
     plot_throughput(results, "", ax=ax1, baseline="naive")
     ax1.set_title("whole requests, one static batch", fontsize=9)
     rows = list(sizes.decode_rows)
-    ax2.plot(rows, [r / s for r, s in zip(rows, decode_seconds)], "o-", color="tab:green")
+    # Tokens per second, round by round: a row makes one token a step.
+    rates = [rate_spread(r, step) for r, step in zip(rows, decode)]
+    plot_spreads(ax2, rows, rates, color="tab:green")
     ax2.set_xscale("log", base=2)
     ax2.set_xticks(rows, [str(r) for r in rows])
     ax2.set_xlabel("rows in the decode batch")
@@ -77,7 +89,8 @@ def measure_kv_cache(run: Run) -> Chapter:
         dict(
             decode_rows=rows,
             decode_context=sizes.decode_context,
-            decode_step_seconds=decode_seconds,
+            decode_step_seconds=[step.median for step in decode],
+            decode_step_seconds_spread=[spread_record(step) for step in decode],
             kv_bytes_per_token=per_token,
             static_batch=static_batch,
         ),

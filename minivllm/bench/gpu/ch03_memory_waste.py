@@ -7,7 +7,9 @@ paged decode attention against the block size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -15,8 +17,8 @@ import torch
 
 from minivllm.attention.backend import AttentionMetadata, PagedKVCache
 from minivllm.attention.torch_paged import TorchPagedAttention
-from minivllm.bench.benchmark import best_time, workload_kv_cache_bytes
-from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run
+from minivllm.bench.benchmark import workload_kv_cache_bytes
+from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run, plot_spreads, spread_record
 from minivllm.bench.workloads import Workload, varied_output_workload
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -40,7 +42,9 @@ def measure_memory_waste(run: Run) -> Chapter:
     held / slots reserved, summed over the steps}; kv_bytes_per_token; block_size;
     max_reservation;
     attention_block_sizes, attention_seconds (one decode-attention call of attention_seqs
-    sequences of attention_seq_len tokens, one layer), attention_seqs, attention_seq_len.
+    sequences of attention_seq_len tokens, one layer: the median of `repeats` rounds, the block
+    sizes interleaved), attention_seconds_spread (each one's {median, low, high}),
+    attention_seqs, attention_seq_len.
     """
     workload = varied_output_workload(
         run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
@@ -56,7 +60,8 @@ def measure_memory_waste(run: Run) -> Chapter:
         {k: f"{v:.1%}" for k, v in token_share.items()},
     )
     block_sizes = list(run.sizes.block_sizes)
-    attention_seconds = [paged_attention_seconds(run, size) for size in block_sizes]
+    with torch.inference_mode():  # as in the engine: no autograd records, K/V written in place
+        attention = run.sweep({size: paged_attention_call(run, size) for size in block_sizes})
 
     per_token = run.model.config.kv_bytes_per_token(DTYPE)
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.4), layout="constrained")
@@ -86,7 +91,7 @@ def measure_memory_waste(run: Run) -> Chapter:
     ax2.set_xlim(0, 100)
     ax2.set_xlabel("reserved KV memory holding tokens (%)")
     ax2.set_title("over the whole run", fontsize=9)
-    ax3.plot(block_sizes, np.array(attention_seconds) * 1e3, "o-", color="tab:green")
+    plot_spreads(ax3, block_sizes, attention, 1e3, color="tab:green")
     ax3.set_xscale("log", base=2)
     ax3.set_xticks(block_sizes, [str(b) for b in block_sizes])
     ax3.set_xlabel("block size (tokens)")
@@ -110,7 +115,8 @@ def measure_memory_waste(run: Run) -> Chapter:
             block_size=BLOCK_SIZE,
             max_reservation=max_reservation,
             attention_block_sizes=block_sizes,
-            attention_seconds=attention_seconds,
+            attention_seconds=[call.median for call in attention],
+            attention_seconds_spread=[spread_record(call) for call in attention],
             attention_seqs=run.sizes.attention_seqs,
             attention_seq_len=run.sizes.attention_seq_len,
         ),
@@ -152,8 +158,7 @@ def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[
     return per_step
 
 
-@torch.inference_mode()
-def paged_attention_seconds(run: Run, block_size: int) -> float:
+def paged_attention_call(run: Run, block_size: int) -> Callable[[], torch.Tensor]:
     """One decode-attention call (one query per sequence) over a pool of `block_size` blocks,
     each sequence's blocks scattered at random, one layer of the model's shapes."""
     sizes, config = run.sizes, run.model.config
@@ -172,4 +177,4 @@ def paged_attention_seconds(run: Run, block_size: int) -> float:
     attention = TorchPagedAttention(pool, metadata)
     q = torch.randn(num_seqs, config.num_heads, config.head_dim, dtype=DTYPE, device=run.device)
     k = torch.randn(num_seqs, config.num_kv_heads, config.head_dim, dtype=DTYPE, device=run.device)
-    return best_time(lambda: attention(0, q, k, k), run.device, sizes.repeats)
+    return partial(attention, 0, q, k, k)

@@ -7,20 +7,22 @@ on each backend, in float32 and in bfloat16.
 
 from __future__ import annotations
 
+from functools import partial
+
 import matplotlib.pyplot as plt
 import torch
 
 from minivllm.attention import triton_paged
 from minivllm.bench.attention import (
-    attention_step_seconds,
+    attention_step_timings,
+    decode_attention_timings,
     one_layer_pool,
     random_decode_step,
     random_step,
-    sweep_decode_attention,
 )
-from minivllm.bench.benchmark import best_time
-from minivllm.bench.gpu.common import DTYPE, Chapter, Run
+from minivllm.bench.gpu.common import DTYPE, Chapter, Run, spread_record
 from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.measure import Timings
 from minivllm.bench.workloads import varied_output_workload
 
 
@@ -31,30 +33,29 @@ def measure_attention_kernels(run: Run) -> Chapter:
 
     JSON: results (the engine on each backend, varied-output workload: methods
     "engine-no-prefix-cache:NAME", then "engine-no-prefix-cache:NAME@bfloat16", for speed);
-    backends; decode_attention (a list of {batch, context, ms:
-    {backend: ms of one step's attention, all layers}}); prefill_attention {chunk, cached, ms:
-    {backend: ms}}; triton_decode_bandwidth ({batch, context, gb_per_s, copy_gb_per_s,
-    share_of_copy} on CUDA, null elsewhere: the interpreter's speed means nothing).
+    backends; decode_attention (a list of {batch, context, ms: {backend: ms of one step's
+    attention, all layers, the median of `repeats` rounds, the backends interleaved}, ms_spread:
+    {backend: {median, low, high}}}); prefill_attention {chunk, cached, ms: {backend: ms},
+    ms_spread}; triton_decode_bandwidth ({batch, context, gb_per_s, copy_gb_per_s,
+    share_of_copy}, each from the median of rounds interleaving the kernel and the copy, on
+    CUDA; null elsewhere: the interpreter's speed means nothing).
     """
     sizes, config = run.sizes, run.model.config
     on_gpu = run.device.type == "cuda"
     backends = ["torch", "flex"] + (["triton"] if on_gpu or triton_paged.interpreting() else [])
-    seconds = sweep_decode_attention(
+    timings = decode_attention_timings(
         config, backends, list(sizes.kernel_batches), list(sizes.kernel_contexts), DTYPE,
         run.device, sizes.repeats,
     )  # fmt: skip
     decode_rows = [
-        dict(batch=b, context=c, ms={name: seconds[name][b, c] * 1e3 for name in backends})
-        for b in sizes.kernel_batches
-        for c in sizes.kernel_contexts
+        dict(batch=b, context=c) | ms_of(timed, backends) for (b, c), timed in timings.items()
     ]
     chunk = sizes.prefill_chunk
     pool = one_layer_pool(config, 1, 2 * chunk, 16, DTYPE, run.device)
     prefill = random_step(config, pool, [chunk], [2 * chunk])
-    prefill_ms = {
-        name: attention_step_seconds(name, pool, prefill, config.num_layers, sizes.repeats) * 1e3
-        for name in backends
-    }
+    prefill_timings = attention_step_timings(
+        backends, pool, prefill, config.num_layers, sizes.repeats
+    )
     bandwidth = decode_bandwidth(run) if on_gpu else None
 
     workload = varied_output_workload(
@@ -81,7 +82,7 @@ def measure_attention_kernels(run: Run) -> Chapter:
         for b in sizes.kernel_batches:
             left.plot(
                 sizes.kernel_contexts,
-                [seconds[name][b, c] * 1e3 for c in sizes.kernel_contexts],
+                [timings[b, c].spread(name).median * 1e3 for c in sizes.kernel_contexts],
                 "o-",
                 label=f"{name}, batch {b}",
             )
@@ -101,9 +102,18 @@ def measure_attention_kernels(run: Run) -> Chapter:
         dict(
             backends=backends,
             decode_attention=decode_rows,
-            prefill_attention=dict(chunk=chunk, cached=chunk, ms=prefill_ms),
+            prefill_attention=dict(chunk=chunk, cached=chunk) | ms_of(prefill_timings, backends),
             triton_decode_bandwidth=bandwidth,
         ),
+    )
+
+
+def ms_of(timings: Timings, backends: list[str]) -> dict[str, dict]:
+    """{ms: {backend: median ms}, ms_spread: {backend: {median, low, high}}} of one case."""
+    spreads = {name: timings.spread(name) for name in backends}
+    return dict(
+        ms={name: spread.median * 1e3 for name, spread in spreads.items()},
+        ms_spread={name: spread_record(spread, 1e3) for name, spread in spreads.items()},
     )
 
 
@@ -118,18 +128,16 @@ def decode_bandwidth(run: Run) -> dict:
     kv = pool.layers[0]
     metadata = step.metadata
     splits = triton_paged.choose_num_splits(batch, config.num_kv_heads, context, run.device)
-    kernel_s = best_time(
-        lambda: triton_paged.paged_decode_attention(
-            step.q, kv, metadata.block_tables, metadata.seq_lens, splits
-        ),
-        run.device,
-        sizes.repeats,
-    )
     bytes_read = 2 * batch * context * config.num_kv_heads * config.head_dim * kv.element_size()
     source = torch.empty(bytes_read, dtype=torch.uint8, device=run.device)
     target = torch.empty_like(source)
-    copy_s = best_time(lambda: target.copy_(source), run.device, sizes.repeats)
-    gb_per_s, copy_gb_per_s = bytes_read / kernel_s / 1e9, 2 * bytes_read / copy_s / 1e9
+    kernel = partial(
+        triton_paged.paged_decode_attention,
+        step.q, kv, metadata.block_tables, metadata.seq_lens, splits,
+    )  # fmt: skip
+    kernel_s, copy_s = run.sweep({"kernel": kernel, "copy": partial(target.copy_, source)})
+    gb_per_s = bytes_read / kernel_s.median / 1e9
+    copy_gb_per_s = 2 * bytes_read / copy_s.median / 1e9
     return dict(
         batch=batch,
         context=context,

@@ -20,9 +20,10 @@ from minivllm.bench.gpu.common import (
     Chapter,
     Run,
     all_reduce_between_processes,
-    decode_step_seconds,
     engine_tensor_parallel_size,
+    spread_record,
     tensor_parallel_sizes,
+    time_decode_steps,
 )
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.parallel import (
@@ -74,8 +75,9 @@ def measure_parallelism(run: Run) -> Chapter:
     one float32 all-reduce between 2 ranks, the slower rank's median; empty on one GPU),
     all_reduce_backend; link {name, latency_s, bandwidth (bytes/s)} fitted to those rows, or
     null; machine {name, peak_flops, bandwidth}: this device in bfloat16, measured;
-    decode_steps (rows {batch, measured_s, projected_s}: one step of this model with
-    parallel_context cached tokens per row, and the projection at TP=1, the roofline);
+    decode_steps (rows {batch, measured_s, measured_spread, projected_s}: one step of this
+    model with parallel_context cached tokens per row, and the projection at TP=1, the
+    roofline);
     projection_dtype, projection_context, projection_links (rows {tp, name, latency_s,
     bandwidth}) and projection (rows {model, tp, batch, compute_s, communication_s, seconds,
     speedup: over TP=1 at the same batch}).
@@ -186,19 +188,22 @@ def measure_machine(run: Run) -> Machine:
 
 def measure_decode_steps(run: Run, machine: Machine) -> list[dict]:
     """One decode step of this model in the projection's dtype at each batch size, measured
-    and projected at TP=1: how far eager PyTorch is from the roofline that the projection
-    divides among the ranks."""
+    (the median of `repeats` rounds, the batches interleaved; measured_spread {median, low,
+    high}) and projected at TP=1: how far eager PyTorch is from the roofline that the
+    projection divides among the ranks."""
     model = load_model(run.model_dir, PROJECTION_DTYPE, run.device)
-    context = run.sizes.parallel_context
+    context, batches = run.sizes.parallel_context, run.sizes.parallel_batches
+    steps = time_decode_steps(run, batches, context, model)
     return [
         dict(
             batch=batch,
-            measured_s=decode_step_seconds(run, batch, context, model),
+            measured_s=step.median,
+            measured_spread=spread_record(step),
             projected_s=projected_step(
                 model.config, PROJECTION_DTYPE, batch, context, machine, 1, None
             ).seconds,
         )
-        for batch in run.sizes.parallel_batches
+        for batch, step in zip(batches, steps)
     ]
 
 

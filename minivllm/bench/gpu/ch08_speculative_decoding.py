@@ -8,7 +8,6 @@ plain and k = 3 in bfloat16 at batch 1.
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import matplotlib.pyplot as plt
@@ -16,7 +15,16 @@ import numpy as np
 import torch
 
 from minivllm.bench.benchmark import workload_kv_cache_bytes
-from minivllm.bench.gpu.common import DTYPE, Chapter, Run, chat_requests
+from minivllm.bench.gpu.common import (
+    DTYPE,
+    Chapter,
+    Run,
+    chat_requests,
+    rate_spread,
+    ratio_spread,
+    spread_record,
+)
+from minivllm.bench.measure import Spread, Timings
 from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig
 from minivllm.entrypoints.llm import LLM
@@ -62,14 +70,18 @@ def measure_speculative_decoding(run: Run) -> Chapter:
     the copies of a paragraph in a batch would otherwise share their prompt, and what is
     measured here is decoding.
 
+    Every comparison runs the engines interleaved in `engine_repeats` rounds: a rate is the
+    median of its rounds, a ratio the median of the ratios taken within each round.
+
     JSON: results (empty); max_tokens; batch1 (rows {workload, method, tokens_per_s, speedup:
-    over plain on the same workload, same_tokens: as plain's}, "plain@bfloat16" and
-    "ngram k=3@bfloat16" in a full run, compared with plain in bfloat16); acceptance_per_position
-    {"method/workload": [share of verification steps that kept the draft at position 0, 1, ..]}
-    from the engine's counters; verification_steps {"method/workload": steps that checked
-    drafts (0 where the proposer found no match, as on the quick run's random model)};
-    batch_sweep (rows {batch, plain_tokens_per_s, speculative_tokens_per_s, ratio});
-    speculative_method (the sweep's).
+    over plain on the same workload, same_tokens: as plain's, tokens_per_s_spread and
+    speedup_spread {median, low, high}}, "plain@bfloat16" and "ngram k=3@bfloat16" in a full
+    run, compared with plain in bfloat16); acceptance_per_position {"method/workload": [share of
+    verification steps that kept the draft at position 0, 1, ..]} from the engine's counters
+    over one pass of the workload; verification_steps {"method/workload": steps of that pass
+    that checked drafts (0 where the proposer found no match, as on the quick run's random
+    model)}; batch_sweep (rows {batch, plain_tokens_per_s, speculative_tokens_per_s, ratio,
+    ratio_spread}); speculative_method (the sweep's).
     """
     sizes = run.sizes
     workloads = {
@@ -88,44 +100,56 @@ def measure_speculative_decoding(run: Run) -> Chapter:
 
     batch1, acceptance, verification_steps = [], {}, {}
     for workload, prompts in workloads.items():
-        plain_rate, plain_tokens = None, None
-        # Each dtype's plain engine comes first of its dtype's: its rate and tokens are the
-        # ones that dtype's speculative methods compare with.
+        # Each engine's counters are read (untimed) before each of its passes over the
+        # workload, so that the last reading and the one after the rounds bound one pass.
+        before: dict[str, dict[str, float]] = {}
+        timings = run.engine_rounds(
+            {method: partial(greedy_tokens, llm, prompts, sizes.spec_output, alone=True)
+             for method, llm in engines.items()},
+            prepare={method: partial(read_counters, before, method, llm)
+                     for method, llm in engines.items()},
+        )  # fmt: skip
         for method, llm in engines.items():
-            setting = method.partition("@")[0]
-            warm_up(llm)  # before the counters are read: its drafts are not the workload's
-            before = spec_counters(llm)
-            rate, tokens = tokens_per_s_alone(llm, prompts, sizes.spec_output)
-            if setting == "plain":
-                plain_rate, plain_tokens = rate, tokens
-            else:
+            setting, _, dtype = method.partition("@")
+            plain = "plain" + (f"@{dtype}" if dtype else "")  # the same dtype's plain engine
+            rate, speedup = rate_and_ratio(timings, method, plain)
+            if setting != "plain":
                 after, k = spec_counters(llm), SPECULATIVE[setting]["num_speculative_tokens"]
-                acceptance[f"{method}/{workload}"] = acceptance_per_position(before, after, k)
-                verification_steps[f"{method}/{workload}"] = counter_delta(before, after, DRAFTS)
+                key = f"{method}/{workload}"
+                acceptance[key] = acceptance_per_position(before[method], after, k)
+                verification_steps[key] = counter_delta(before[method], after, DRAFTS)
             batch1.append(
                 dict(
                     workload=workload,
                     method=method,
-                    tokens_per_s=rate,
-                    speedup=rate / plain_rate,
-                    same_tokens=tokens == plain_tokens,
+                    tokens_per_s=rate.median,
+                    tokens_per_s_spread=spread_record(rate),
+                    speedup=speedup.median,
+                    speedup_spread=spread_record(speedup),
+                    same_tokens=timings.results[method] == timings.results[plain],
                 )
             )
-            print(f"batch 1, {workload}, {method}: {rate:.1f} tokens/s ({rate / plain_rate:.2f}x)")
+            print(f"batch 1, {workload}, {method}: {rate.format(1)} tokens/s ({speedup.format()}x)")
 
     batch_sweep = []
     for batch, prompts in sweep_prompts.items():
-        plain = tokens_per_s_batched(engines["plain"], prompts, sizes.spec_output)
-        speculative = tokens_per_s_batched(engines[SWEEP_METHOD], prompts, sizes.spec_output)
+        timings = run.engine_rounds(
+            {name: partial(greedy_tokens, engines[name], prompts, sizes.spec_output)
+             for name in ("plain", SWEEP_METHOD)}
+        )  # fmt: skip
+        speculative, ratio = rate_and_ratio(timings, SWEEP_METHOD, "plain")
+        plain, _ = rate_and_ratio(timings, "plain", "plain")
         batch_sweep.append(
             dict(
                 batch=batch,
-                plain_tokens_per_s=plain,
-                speculative_tokens_per_s=speculative,
-                ratio=speculative / plain,
+                plain_tokens_per_s=plain.median,
+                speculative_tokens_per_s=speculative.median,
+                ratio=ratio.median,
+                ratio_spread=spread_record(ratio),
             )
         )
-        print(f"batch {batch}: plain {plain:.1f}, {SWEEP_METHOD} {speculative:.1f} tokens/s")
+        rates = f"plain {plain.format(1)}, {SWEEP_METHOD} {speculative.format(1)}"
+        print(f"batch {batch}: {rates} tokens/s")
 
     n = len(PARAGRAPHS)
     workload = Workload(
@@ -213,34 +237,32 @@ def acceptance_per_position(before: dict, after: dict, k: int) -> list[float]:
     return [counter_delta(before, after, ACCEPTED_AT.format(i)) / max(drafts, 1) for i in range(k)]
 
 
-def warm_up(llm: LLM) -> None:
-    """A first request, untimed; its prompt shares nothing with the workloads'."""
-    llm.generate({"prompt_token_ids": [1, 2, 3, 4]}, SamplingParams(max_tokens=2), use_tqdm=False)
+def read_counters(readings: dict, method: str, llm: LLM) -> None:
+    readings[method] = spec_counters(llm)
 
 
-def tokens_per_s_alone(
-    llm: LLM, prompts: list[dict], max_tokens: int
-) -> tuple[float, list[list[int]]]:
-    """Output tokens per second with each request run alone (batch 1), and their tokens."""
+def greedy_tokens(
+    llm: LLM, prompts: list[dict], max_tokens: int, alone: bool = False
+) -> list[list[int]]:
+    """Each request's greedy tokens, all submitted at once or, `alone`, each run by itself
+    (batch 1). `generate` returns tokens on the host: the device is done when it returns."""
     greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    tokens, seconds = [], 0.0
-    for prompt in prompts:
-        start = time.perf_counter()
-        output = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0]
-        seconds += time.perf_counter() - start  # `generate` returns tokens: the device synced
-        tokens.append(list(output.token_ids))
-    return sum(len(t) for t in tokens) / seconds, tokens
+    batches = [[prompt] for prompt in prompts] if alone else [prompts]
+    return [
+        list(output.outputs[0].token_ids)
+        for batch in batches
+        for output in llm.generate(batch, greedy, use_tqdm=False)
+    ]
 
 
-def tokens_per_s_batched(llm: LLM, prompts: list[dict], max_tokens: int) -> float:
-    """Output tokens per second with all the requests submitted at once."""
-    warm_up(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(
-        prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens), use_tqdm=False
-    )
-    seconds = time.perf_counter() - start
-    return sum(len(o.outputs[0].token_ids) for o in outputs) / seconds
+def rate_and_ratio(timings: Timings, method: str, baseline: str) -> tuple[Spread, Spread]:
+    """`method`'s output tokens per second, and its rate over `baseline`'s, both round by
+    round (the tokens of a method are the same every round: greedy)."""
+    rates = {
+        name: rate_spread(sum(map(len, timings.results[name])), timings.spread(name))
+        for name in (method, baseline)
+    }
+    return rates[method], ratio_spread(rates[method], rates[baseline])
 
 
 def plot_speculative_decoding(

@@ -6,13 +6,22 @@ row): output tokens/s of each, and the schema's compile time; a full run adds bo
 
 from __future__ import annotations
 
-import time
+from functools import partial
 
 import matplotlib.pyplot as plt
 import torch
 
 from minivllm.bench.benchmark import workload_kv_cache_bytes
-from minivllm.bench.gpu.common import DTYPE, Chapter, Run, chat_requests
+from minivllm.bench.gpu.common import (
+    DTYPE,
+    Chapter,
+    Run,
+    chat_requests,
+    rate_spread,
+    ratio_spread,
+    spread_record,
+)
+from minivllm.bench.measure import Spread, stopwatch
 from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig
 from minivllm.entrypoints.llm import LLM
@@ -30,10 +39,11 @@ def measure_structured_outputs(run: Run) -> Chapter:
     on one engine: the grammar's cost is the bitmask each sampled row gets and the matchers
     advanced by each token. The schema's first compile is timed apart (xgrammar caches it).
 
-    JSON: results (empty); rows: [{"mode", "requests", "output_tokens", "seconds",
-    "tokens_per_s"}] for "free" and "json schema", then in a full run "free@bfloat16" and
-    "json schema@bfloat16" (an engine of its own, for speed); ratio (schema / free tokens/s,
-    float32); compile_seconds.
+    JSON: results (empty); rows: [{"mode", "requests", "output_tokens", "seconds" (the median
+    of `engine_repeats` rounds, the two modes interleaved), "seconds_spread", "tokens_per_s"}]
+    for "free" and "json schema", then in a full run "free@bfloat16" and "json schema@bfloat16"
+    (an engine of its own, for speed); ratio (schema / free tokens/s, float32, the median of
+    the ratios within rounds) and ratio_spread; compile_seconds (one run).
     """
     messages = [f"Describe person number {i} as JSON with a name and an age." for i in range(8)]
     prompts = (chat_requests(run, messages) * run.sizes.grammar_requests)[
@@ -46,14 +56,13 @@ def measure_structured_outputs(run: Run) -> Chapter:
         f"{len(prompts)} chat requests for a person as JSON, greedy, at most "
         f"{run.sizes.grammar_output} tokens",
     )
-    rows, compile_seconds = free_and_constrained(run, workload, DTYPE)
+    rows, ratio, compile_seconds = free_and_constrained(run, workload, DTYPE)
     if not run.quick:  # a quick run checks float32 only: every engine costs a start
         rows += free_and_constrained(run, workload, torch.bfloat16)[0]
-    ratio = rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]
     print(
-        f"schema compile {compile_seconds:.2f} s; "
+        f"schema compile {compile_seconds:.2f} s (one run); "
         + ", ".join(f"{r['mode']} {r['tokens_per_s']:.1f} tok/s" for r in rows)
-        + f" ({ratio:.2f}x)"
+        + f" ({ratio.format()}x)"
     )
 
     fig, ax = plt.subplots(figsize=(8, 1.6 + 0.7 * len(rows)), layout="constrained")
@@ -67,16 +76,22 @@ def measure_structured_outputs(run: Run) -> Chapter:
         workload,
         fig,
         [],
-        dict(rows=rows, ratio=ratio, compile_seconds=compile_seconds),
+        dict(
+            rows=rows,
+            ratio=ratio.median,
+            ratio_spread=spread_record(ratio),
+            compile_seconds=compile_seconds,
+        ),
     )
 
 
 def free_and_constrained(
     run: Run, workload: Workload, dtype: torch.dtype
-) -> tuple[list[dict], float]:
-    """One engine in `dtype` (its KV pool sized for the workload) answers the workload freely,
-    then under the schema: a row for each ("@bfloat16" after the mode when not the run's
-    dtype), and the seconds of the schema's first compile."""
+) -> tuple[list[dict], Spread, float]:
+    """One engine in `dtype` (its KV pool sized for the workload) answers the workload freely
+    and under the schema, the two interleaved in `engine_repeats` rounds: a row for each
+    ("@bfloat16" after the mode when not the run's dtype), the schema's rate over the free one
+    round by round, and the seconds of the schema's first compile (a one-off)."""
     suffix = "" if dtype == DTYPE else "@" + str(dtype).removeprefix("torch.")
     budget = workload_kv_cache_bytes(workload, run.model.config, dtype, EngineConfig.block_size)
     llm = LLM(
@@ -88,27 +103,39 @@ def free_and_constrained(
     )
     prompts = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
     schema = StructuredOutputsParams(json=PERSON_SCHEMA)
-    compile_start = time.perf_counter()
-    llm.generate(
-        prompts[:1], SamplingParams(max_tokens=1, structured_outputs=schema), use_tqdm=False
-    )
-    compile_seconds = time.perf_counter() - compile_start
-    rows = []
-    for mode, constraint in (("free", None), ("json schema", schema)):
-        params = SamplingParams(
-            temperature=0.0, max_tokens=run.sizes.grammar_output, structured_outputs=constraint
+    with stopwatch() as compile_watch:  # generate returns tokens on the host: no sync needed
+        llm.generate(
+            prompts[:1], SamplingParams(max_tokens=1, structured_outputs=schema), use_tqdm=False
         )
-        start = time.perf_counter()  # generate returns tokens on the host: no sync needed
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    modes = {"free": None, "json schema": schema}
+    timings = run.engine_rounds(
+        {
+            mode: partial(
+                llm.generate,
+                prompts,
+                SamplingParams(
+                    temperature=0.0,
+                    max_tokens=run.sizes.grammar_output,
+                    structured_outputs=constraint,
+                ),
+                use_tqdm=False,
+            )
+            for mode, constraint in modes.items()
+        }
+    )
+    rows, rates = [], {}
+    for mode in modes:
+        tokens = sum(len(o.outputs[0].token_ids) for o in timings.results[mode])
+        seconds = timings.spread(mode)
+        rates[mode] = rate_spread(tokens, seconds)
         rows.append(
             dict(
                 mode=mode + suffix,
                 requests=len(prompts),
                 output_tokens=tokens,
-                seconds=seconds,
-                tokens_per_s=tokens / seconds,
+                seconds=seconds.median,
+                seconds_spread=spread_record(seconds),
+                tokens_per_s=tokens / seconds.median,
             )
         )
-    return rows, compile_seconds
+    return rows, ratio_spread(rates["json schema"], rates["free"]), compile_watch.seconds

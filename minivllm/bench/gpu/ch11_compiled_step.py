@@ -12,8 +12,9 @@ from dataclasses import asdict
 import matplotlib.pyplot as plt
 
 from minivllm.bench.benchmark import MethodResult
-from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu.common import Chapter, Run, medians_and_spreads, result_speedup
 from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.measure import Spread
 from minivllm.bench.workloads import throughput_workload, varied_output_workload
 
 
@@ -24,7 +25,9 @@ def measure_compiled_step(run: Run) -> Chapter:
 
     JSON: results (the varied-output workload: "engine-no-prefix-cache:eager",
     "engine-no-prefix-cache:compiled" and both "@bfloat16"); batch1 (the same four methods on one
-    request, each a result record); speedups {"batch1", "varied"} -> dtype -> compiled / eager.
+    request, each a result record); speedups {"batch1", "varied"} -> dtype -> compiled / eager
+    (the median of the ratios within `engine_repeats` rounds) and speedup_spreads beside them
+    ({median, low, high}).
     """
     # A quick run checks the plumbing in float32 only: each compiled engine costs a compile.
     dtypes = ("",) if run.quick else ("", "@bfloat16")
@@ -40,13 +43,17 @@ def measure_compiled_step(run: Run) -> Chapter:
     batch1 = run.benchmark(run.context(), single, methods)
     results = run.benchmark(run.context(), varied, methods)
 
-    def speedups(rows: list[MethodResult]) -> dict[str, float]:
-        rate = {r.method: r.output_tokens_per_s for r in rows}
+    def speedups(rows: list[MethodResult]) -> dict[str, Spread]:
         return {
-            dtype.removeprefix("@") or "float32": rate[f"engine-no-prefix-cache:compiled{dtype}"]
-            / rate[f"engine-no-prefix-cache:eager{dtype}"]
+            dtype.removeprefix("@") or "float32": result_speedup(
+                rows,
+                f"engine-no-prefix-cache:compiled{dtype}",
+                f"engine-no-prefix-cache:eager{dtype}",
+            )
             for dtype in dtypes
         }
+
+    medians, spreads = medians_and_spreads(dict(batch1=speedups(batch1), varied=speedups(results)))
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 7), layout="constrained")
     for ax, rows, workload in ((axes[0], batch1, single), (axes[1], results, varied)):
@@ -59,6 +66,7 @@ def measure_compiled_step(run: Run) -> Chapter:
         results,
         dict(
             batch1=[asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in batch1],
-            speedups=dict(batch1=speedups(batch1), varied=speedups(results)),
+            speedups=medians,
+            speedup_spreads=spreads,
         ),
     )

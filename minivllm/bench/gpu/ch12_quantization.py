@@ -18,8 +18,9 @@ import matplotlib.pyplot as plt
 import torch
 
 from minivllm.bench.benchmark import MethodResult
-from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu.common import Chapter, Run, medians_and_spreads, result_speedup
 from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.measure import Spread
 from minivllm.bench.memory import model_weight_bytes
 from minivllm.bench.roofline import decode_step_cost, measure_memory_bandwidth, weight_bytes
 from minivllm.bench.workloads import Workload, throughput_workload
@@ -51,15 +52,17 @@ def measure_quantization(run: Run) -> Chapter:
     batched {batch_size, workload, results} (the same methods on BATCH requests: `record |
     record["batched"]` plots like the record); schemes (the schemes measured, in order);
     gguf_skipped (why the GGUF weights did not run, or null); ratios {"batch1", "batched"} ->
-    scheme -> its output tokens/s over bfloat16's; memory_bandwidth (bytes/s of a large copy);
-    weight_bytes scheme -> {"loaded": the bytes the engine's model holds, each copy once
-    (`memory.model_weight_bytes`: a tied table plain and packed), "model":
-    `roofline.weight_bytes`}; bounds: one row per scheme and workload {scheme, method, batch_size, context, step_bytes, bound_tokens_per_s (batch x
-    bandwidth / step bytes: decode only, prefill left out), output_tokens_per_s,
-    share_of_bound}; kernels scheme -> the kernels its linear layers multiply with (sorted,
-    distinct); int4_kernel (the int4 layers' kernel, "... (reference)" where tinygemm did not
-    run); int8_fused_max_rows (rows up to which int8 uses its fused kernel: above, a
-    dequantized copy per call, as in the batched workload's logits).
+    scheme -> its output tokens/s over bfloat16's (the median of the ratios within
+    `engine_repeats` rounds) and ratio_spreads beside them; memory_bandwidth (bytes/s of a
+    large copy); weight_bytes scheme -> {"loaded": the bytes the engine's model holds, each
+    copy once (`memory.model_weight_bytes`: a tied table plain and packed), "model":
+    `roofline.weight_bytes`}; bounds: one row per scheme and workload {scheme, method,
+    batch_size, context, step_bytes, bound_tokens_per_s (batch x bandwidth / step bytes:
+    decode only, prefill left out), output_tokens_per_s, share_of_bound}; kernels scheme -> the
+    kernels its linear layers multiply with (sorted, distinct); int4_kernel (the int4 layers'
+    kernel, "... (reference)" where tinygemm did not run); int8_fused_max_rows (rows up to
+    which int8 uses its fused kernel: above, a dequantized copy per call, as in the batched
+    workload's logits).
     """
     gguf_skipped = None
     try:
@@ -119,9 +122,12 @@ def measure_quantization(run: Run) -> Chapter:
                 )
             )
 
-    def ratios(rows: list[MethodResult]) -> dict[str, float]:
-        rate = {r.method: r.output_tokens_per_s for r in rows}
-        return {scheme: rate[SCHEMES[scheme][0]] / rate[BASELINE] for scheme in schemes}
+    def ratios(rows: list[MethodResult]) -> dict[str, Spread]:
+        return {scheme: result_speedup(rows, SCHEMES[scheme][0], BASELINE) for scheme in schemes}
+
+    medians, spreads = medians_and_spreads(
+        dict(batch1=ratios(results), batched=ratios(batched_results))
+    )
 
     fig, axes = plt.subplots(2, 1, figsize=(10, 2.5 + 1.2 * len(methods)), layout="constrained")
     for ax, rows, workload in ((axes[0], results, single), (axes[1], batched_results, batched)):
@@ -140,7 +146,8 @@ def measure_quantization(run: Run) -> Chapter:
             ),
             schemes=schemes,
             gguf_skipped=gguf_skipped,
-            ratios=dict(batch1=ratios(results), batched=ratios(batched_results)),
+            ratios=medians,
+            ratio_spreads=spreads,
             memory_bandwidth=bandwidth,
             weight_bytes={
                 scheme: dict(

@@ -6,27 +6,32 @@ over random K/V, chat requests, tensor-parallel sizes, all-reduces between proce
 from __future__ import annotations
 
 import re
-import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from matplotlib.axes import Axes
 
 from minivllm.baselines.kv_cache import ContiguousKVCache
 from minivllm.bench.benchmark import (
     BenchmarkContext,
     MethodResult,
-    best_time,
     device_label,
     format_table,
     run_benchmark,
+    speedup_of,
+    synchronize,
     workload_kv_cache_bytes,
     write_json,
 )
 from minivllm.bench.gpu_results import GPU_RESULTS_DIR
+from minivllm.bench.measure import Spread, Timings, interleaved
 from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.executor.multiproc import free_port
@@ -38,6 +43,7 @@ from minivllm.tokenizer import apply_chat_template
 DTYPE = torch.float32
 DEFAULT_OUT = GPU_RESULTS_DIR
 MiB = 2**20
+Result = TypeVar("Result")
 
 
 @dataclass(frozen=True)
@@ -86,101 +92,65 @@ class Sizes:
     grammar_requests: int  # ch10: requests answered with and without a JSON schema
     grammar_output: int  # ch10: most tokens each of them generates
     smoke_output: int  # smoke: tokens each engine of the smoke generates
-    repeats: int  # timed repetitions of a micro-benchmark; the fastest counts
+    repeats: int  # timed rounds of a micro-benchmark, after one untimed: the median counts
+    # Timed rounds of a whole workload on engines side by side (one untimed round first where
+    # there are more than one): the median counts, ratios taken round by round.
+    engine_repeats: int
 
 
-# About three minutes on an H200 by an estimate of eager PyTorch's per-step cost there, not yet
-# a measurement: the JSON records each chapter's seconds.
-GPU_SIZES = Sizes(
-    logit_prompts=8,
-    logit_prompt_lengths=(20, 1000),
-    step_lengths=(16, 64, 128, 256, 512, 1024, 2048),
-    naive_requests=4,
-    naive_output=128,
-    speedup_requests=16,
-    speedup_output=32,
-    decode_rows=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
-    decode_context=128,
-    varied_requests=64,
-    varied_outputs=(16, 256),
-    seats=16,
-    block_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
-    attention_seqs=64,
-    attention_seq_len=1024,
-    prefix_requests=64,
-    system_prompt_length=1000,
-    prefix_output=16,
-    prefix_step_tokens=2048,  # the engine's default: one or two of the ~1030-token prompts
-    kernel_batches=(1, 16, 64),
-    kernel_contexts=(512, 2048, 4096),
-    prefill_chunk=2048,
-    all_reduce_elements=tuple(4**k for k in range(4, 14)),  # 1 KiB to 256 MiB
-    all_reduce_repeats=20,
-    parallel_batches=(1, 4, 16, 64, 256),
-    parallel_context=1024,
-    matmul_size=8192,  # 1 TFLOP a product: long enough for the clock, as a 2048 one is not
-    copy_megabytes=1024,
-    spec_output=96,  # a paragraph's copy is 40-60 tokens: it ends before
-    spec_batches=(1, 4, 16, 32, 64),
+# Every size twice: (a full run on a GPU, a quick run). The full sizes take about three minutes
+# on an H200 by an estimate of eager PyTorch's per-step cost there, not yet a measurement: the
+# JSON records each chapter's seconds. The quick ones run every chapter in seconds on a CPU.
+_SIZES = dict(
+    logit_prompts=(8, 3),
+    logit_prompt_lengths=((20, 1000), (20, 120)),
+    step_lengths=((16, 64, 128, 256, 512, 1024, 2048), (16, 64, 128)),
+    naive_requests=(4, 2),
+    naive_output=(128, 6),
+    speedup_requests=(16, 3),
+    speedup_output=(32, 6),
+    decode_rows=((1, 2, 4, 8, 16, 32, 64, 128, 256, 512), (1, 2, 4)),
+    decode_context=(128, 32),
+    varied_requests=(64, 6),
+    varied_outputs=((16, 256), (4, 16)),
+    seats=(16, 3),
+    block_sizes=((1, 2, 4, 8, 16, 32, 64, 128, 256), (1, 4, 16)),
+    attention_seqs=(64, 4),
+    attention_seq_len=(1024, 64),
+    prefix_requests=(64, 4),
+    system_prompt_length=(1000, 200),
+    prefix_output=(16, 4),
+    prefix_step_tokens=(2048, 128),  # the engine's default: one or two of the ~1030-token prompts
+    kernel_batches=((1, 16, 64), (1, 2)),
+    kernel_contexts=((512, 2048, 4096), (32, 64)),
+    prefill_chunk=(2048, 32),
+    # 1 KiB to 256 MiB. Quick: up to 16 MiB: on a 2-core CPU a small all-reduce's median varies
+    # from 0.3 to 3.5 ms, and the largest (~14 ms) must stand clear of that for the fit to find
+    # a bandwidth.
+    all_reduce_elements=(tuple(4**k for k in range(4, 14)), (2**8, 2**12, 2**16, 2**20, 2**22)),
+    all_reduce_repeats=(20, 20),
+    parallel_batches=((1, 4, 16, 64, 256), (1, 4)),
+    parallel_context=(1024, 32),
+    matmul_size=(8192, 256),  # 1 TFLOP a product: long enough for the clock, as a 2048 one is not
+    copy_megabytes=(1024, 16),
+    spec_output=(96, 8),  # a paragraph's copy is 40-60 tokens: it ends before
+    spec_batches=((1, 4, 16, 32, 64), (1, 2)),
     # From well below the engine's capacity to past it; 64 requests take 16 s at the lowest.
-    serve_rates=(4.0, 16.0, 64.0, 256.0, float("inf")),
-    serve_requests=64,
-    serve_output=64,
-    serve_seats=64,
-    serve_seconds=30.0,
-    single_output=128,
-    sampler_batches=(1, 32, 256),
-    grammar_requests=32,
-    grammar_output=64,
-    smoke_output=16,
-    repeats=5,
+    serve_rates=((4.0, 16.0, 64.0, 256.0, float("inf")), (8.0, float("inf"))),
+    serve_requests=(64, 3),
+    serve_output=(64, 4),
+    serve_seats=(64, 4),
+    serve_seconds=(30.0, 20.0),
+    single_output=(128, 8),
+    sampler_batches=((1, 32, 256), (1, 4)),
+    grammar_requests=(32, 2),
+    grammar_output=(64, 12),
+    smoke_output=(16, 4),
+    repeats=(5, 2),
+    engine_repeats=(3, 1),  # quick: one round, no warm-up (each round costs a whole workload)
 )
-
-QUICK_SIZES = Sizes(
-    logit_prompts=3,
-    logit_prompt_lengths=(20, 120),
-    step_lengths=(16, 64, 128),
-    naive_requests=2,
-    naive_output=6,
-    speedup_requests=3,
-    speedup_output=6,
-    decode_rows=(1, 2, 4),
-    decode_context=32,
-    varied_requests=6,
-    varied_outputs=(4, 16),
-    seats=3,
-    block_sizes=(1, 4, 16),
-    attention_seqs=4,
-    attention_seq_len=64,
-    prefix_requests=4,
-    system_prompt_length=200,
-    prefix_output=4,
-    prefix_step_tokens=128,
-    kernel_batches=(1, 2),
-    kernel_contexts=(32, 64),
-    prefill_chunk=32,
-    # Up to 16 MiB: on a 2-core CPU a small all-reduce's median varies from 0.3 to 3.5 ms, and
-    # the largest (~14 ms) must stand clear of that for the fit to find a bandwidth.
-    all_reduce_elements=(2**8, 2**12, 2**16, 2**20, 2**22),
-    all_reduce_repeats=20,
-    parallel_batches=(1, 4),
-    parallel_context=32,
-    matmul_size=256,
-    copy_megabytes=16,
-    spec_output=8,
-    spec_batches=(1, 2),
-    serve_rates=(8.0, float("inf")),
-    serve_requests=3,
-    serve_output=4,
-    serve_seats=4,
-    serve_seconds=20.0,
-    single_output=8,
-    sampler_batches=(1, 4),
-    grammar_requests=2,
-    grammar_output=12,
-    smoke_output=4,
-    repeats=2,
-)
+GPU_SIZES = Sizes(**{name: full for name, (full, _) in _SIZES.items()})
+QUICK_SIZES = Sizes(**{name: quick for name, (_, quick) in _SIZES.items()})
 
 
 @dataclass
@@ -202,9 +172,12 @@ class Run:
         """A fresh benchmark context on the shared model: its own engines, its own settings."""
         return BenchmarkContext(self.model_dir, self.model, self.tokenizer, DTYPE, **settings)
 
-    def benchmark(self, ctx: BenchmarkContext, workload: Workload, methods: list[str]):
-        """`run_benchmark`, with the table printed. The matmul peak (for MFU) is measured in
-        a full run only: a quick run is a check, and the peak takes seconds on a CPU."""
+    def benchmark(
+        self, ctx: BenchmarkContext, workload: Workload, methods: list[str]
+    ) -> list[MethodResult]:
+        """`run_benchmark` in `engine_repeats` rounds, with the table printed. The matmul peak
+        (for MFU) is measured in a full run only: a quick run is a check, and the peak takes
+        seconds on a CPU."""
         if self.device.type == "cpu":
             # On CUDA the benchmark sizes each engine's KV pool for the workload itself; on the
             # CPU an engine takes a default of 2 GiB, zeroed as it is allocated: most of a
@@ -212,9 +185,43 @@ class Run:
             block_size = ctx.engine_args.get("block_size", EngineConfig.block_size)
             budget = workload_kv_cache_bytes(workload, self.model.config, DTYPE, block_size)
             ctx.engine_args.setdefault("kv_cache_memory_bytes", budget)
-        results = run_benchmark(ctx, workload, methods, measure_peak=not self.quick)
+        repeats = self.sizes.engine_repeats
+        results = run_benchmark(
+            ctx, workload, methods, not self.quick, repeats, warmups=int(repeats > 1)
+        )
         print(format_table(results))
         return results
+
+    def rounds(
+        self,
+        runs: Mapping[str, Callable[[], Result]],
+        repeats: int | None = None,
+        warmups: int = 1,
+        prepare: Mapping[str, Callable[[], None]] | None = None,
+    ) -> Timings[Result]:
+        """`interleaved` on the run's device: the methods in `repeats` rounds (`sizes.repeats`
+        by default) after `warmups` untimed ones, `prepare[name]` untimed before each call of
+        that method, the device synchronized around each call (a GPU returns before its work
+        is done)."""
+        repeats = self.sizes.repeats if repeats is None else repeats
+        sync = partial(synchronize, self.device)
+        return interleaved(runs, repeats, warmups, prepare, synchronize=sync)
+
+    def sweep(self, runs: Mapping[object, Callable[[], object]]) -> list[Spread]:
+        """Seconds of each of `runs`, keyed by what varies (a length, a batch), the calls
+        interleaved in `rounds`: a spread per key, in the keys' order."""
+        timings = self.rounds({str(key): call for key, call in runs.items()})
+        return [timings.spread(str(key)) for key in runs]
+
+    def engine_rounds(
+        self,
+        runs: Mapping[str, Callable[[], Result]],
+        prepare: Mapping[str, Callable[[], None]] | None = None,
+    ) -> Timings[Result]:
+        """`rounds` of whole workloads on engines: `engine_repeats` rounds, one untimed first
+        where there are more than one (as `benchmark` runs them)."""
+        repeats = self.sizes.engine_repeats
+        return self.rounds(runs, repeats, int(repeats > 1), prepare)
 
     def title(self, what: str, workload: Workload | None = None) -> str:
         """A figure title naming the measurement, model, dtype, device and workload."""
@@ -266,6 +273,50 @@ def load_run(quick: bool, device: torch.device, scratch: Path) -> Run:
     return Run(model_dir, model_name, model, load_tokenizer(model_dir), sizes, quick)
 
 
+def spread_record(spread: Spread, scale: float = 1.0) -> dict[str, float]:
+    """Rounds as the JSON records keep them, next to the median they quote: {median, low,
+    high}, times `scale` (1e3: milliseconds), for a figure's error bars."""
+    return dict(median=spread.median * scale, low=spread.low * scale, high=spread.high * scale)
+
+
+def plot_spreads(ax: Axes, xs: list, spreads: list[Spread], scale: float = 1.0, **style) -> None:
+    """Medians joined by a line, each with its rounds' range as an error bar (times `scale`)."""
+    medians = [spread.median * scale for spread in spreads]
+    below = [median - spread.low * scale for median, spread in zip(medians, spreads)]
+    above = [spread.high * scale - median for median, spread in zip(medians, spreads)]
+    ax.errorbar(xs, medians, yerr=[below, above], fmt="o-", capsize=3, **style)
+
+
+def rate_spread(tokens: float, seconds: Spread) -> Spread:
+    """Tokens per second, round by round."""
+    return Spread(tuple(tokens / s for s in seconds.values))
+
+
+def ratio_spread(numerators: Spread, denominators: Spread) -> Spread:
+    """A ratio taken within each round (the same round's values over each other), so that the
+    machine's drift from round to round cancels."""
+    pairs = zip(numerators.values, denominators.values, strict=True)
+    return Spread(tuple(a / b for a, b in pairs))
+
+
+def result_speedup(results: list[MethodResult], method: str, baseline: str) -> Spread:
+    """`method`'s output tokens/s over `baseline`'s among `results`, round by round."""
+    by_name = {result.method: result for result in results}
+    return speedup_of(by_name[method], by_name[baseline])
+
+
+def medians_and_spreads(
+    spreads: dict[str, dict[str, Spread]],
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, dict[str, float]]]]:
+    """Two-level dicts of spreads as a record keeps them: the medians it quotes, and beside
+    them each spread's {median, low, high}."""
+    medians = {key: {k: s.median for k, s in inner.items()} for key, inner in spreads.items()}
+    records = {
+        key: {k: spread_record(s) for k, s in inner.items()} for key, inner in spreads.items()
+    }
+    return medians, records
+
+
 def save(run: Run, chapter: Chapter, out_dir: Path, seconds: float) -> None:
     """NN-name.json (write_json's record and the chapter's numbers) and NN-name.png."""
     write_json(
@@ -287,27 +338,29 @@ def save(run: Run, chapter: Chapter, out_dir: Path, seconds: float) -> None:
 # --- shared by two or more chapters --------------------------------------------------------
 
 
-@torch.inference_mode()
-def decode_step_seconds(
-    run: Run, rows: int, context: int | None = None, model: LlamaForCausalLM | None = None
-) -> float:
-    """The fastest of a few decode steps of `rows` rows over random stand-in K/V: `context`
-    cached tokens per row (decode_context by default), `model` in its own dtype (the run's by
-    default; chapter 07 times a bfloat16 copy)."""
-    context = run.sizes.decode_context if context is None else context
+def time_decode_steps(
+    run: Run, batches: Iterable[int], context: int, model: LlamaForCausalLM | None = None
+) -> list[Spread]:
+    """Seconds of one decode step at each of `batches`, the batches interleaved in rounds
+    (`Run.sweep`): that many rows over random stand-in K/V, `context` cached tokens per row,
+    `model` in its own dtype (the run's by default; chapter 07 times a bfloat16 copy)."""
     model = model or run.model
-    config, dtype = model.config, model.dtype
-    cache = ContiguousKVCache(config, rows, context + 1, dtype, run.device)
-    cache.keys.normal_()
-    cache.values.normal_()
-    ids = torch.randint(0, config.vocab_size, (rows,), device=run.device)  # a new token per row
-    positions = torch.full((rows,), context, device=run.device)
-    seq_lens = positions + 1  # cached tokens and the new one
+    config, device = model.config, run.device
+    steps = {}
+    for rows in batches:
+        cache = ContiguousKVCache(config, rows, context + 1, model.dtype, device)
+        cache.keys.normal_()
+        cache.values.normal_()
+        ids = torch.randint(0, config.vocab_size, (rows,), device=device)  # a new token per row
+        positions = torch.full((rows,), context, device=device)
+        seq_lens = positions + 1  # cached tokens and the new one
+        steps[rows] = partial(_decode_step, model, ids, positions, cache, seq_lens)
+    return run.sweep(steps)
 
-    def step():
-        return model.compute_logits(model(ids, positions, cache.decode(seq_lens)))
 
-    return best_time(step, run.device, run.sizes.repeats)
+@torch.inference_mode()
+def _decode_step(model: LlamaForCausalLM, ids, positions, cache, seq_lens) -> torch.Tensor:
+    return model.compute_logits(model(ids, positions, cache.decode(seq_lens)))
 
 
 def chat_requests(run: Run, messages: list[str]) -> list[dict]:
@@ -375,15 +428,10 @@ def _time_all_reduces(
     rank_medians = []
     for count in counts:
         x = torch.ones(count, device=device)
-        for _ in range(5):  # the first calls set up the connections and their buffers
-            dist.all_reduce(x)
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # NCCL returns at once; the sum arrives later
-            times.append(time.perf_counter() - start)
-        rank_medians.append(sorted(times)[len(times) // 2])
+        # Five untimed calls set up the connections and their buffers; NCCL returns at once and
+        # the sum arrives later, hence the synchronize.
+        runs = {"all_reduce": partial(dist.all_reduce, x)}
+        timings = interleaved(runs, repeats, 5, synchronize=partial(synchronize, device))
+        rank_medians.append(timings.spread("all_reduce").median)
     medians.put(rank_medians)
     dist.destroy_process_group()

@@ -9,7 +9,6 @@ import gc
 import json
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
@@ -42,6 +41,7 @@ from minivllm.bench.gpu.common import (
     save,
 )
 from minivllm.bench.gpu.smoke import measure_smoke
+from minivllm.bench.measure import stopwatch
 
 # Chapter number -> its measurement, in the order they run: the smoke first, so that a branch
 # broken on this machine is named before the chapters that use it.
@@ -69,17 +69,18 @@ def run_chapter(run: Run, number: str, out_dir: Path) -> bool:
     traceback) instead, free what the chapter held, and go on: one chapter's failure must not
     cost the others' measurements. A chapter that saved its record with failures in it (the
     smoke's failing branches) fails too. Returns whether it succeeded."""
-    start = time.perf_counter()
     try:
-        chapter = CHAPTERS[number](run)
-        save(run, chapter, out_dir, time.perf_counter() - start)
+        # A chapter's duration is a one-off: its stopwatch stops, error or not, when it ends.
+        with stopwatch() as watch:
+            chapter = CHAPTERS[number](run)
+        save(run, chapter, out_dir, watch.seconds)
     except Exception as error:  # noqa: BLE001 -- recorded, and the run goes on
         record = dict(
             chapter=chapter_number(number),
             device=device_label(),
             error=f"{type(error).__name__}: {error}",
             traceback=traceback.format_exc(),
-            seconds=time.perf_counter() - start,
+            seconds=watch.seconds,
         )
         (out_dir / f"{number}.error.json").write_text(json.dumps(record, indent=2) + "\n")
         print(f"== chapter {number} FAILED: {record['error']}\n", file=sys.stderr)
@@ -88,7 +89,7 @@ def run_chapter(run: Run, number: str, out_dir: Path) -> bool:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return False
-    print(f"== {chapter.stem}: {time.perf_counter() - start:.1f} s\n")
+    print(f"== {chapter.stem}: {watch.seconds:.1f} s\n")
     for failure in chapter.failures:
         print(f"== {chapter.stem} FAILED: {failure}", file=sys.stderr)
     return not chapter.failures
@@ -135,13 +136,12 @@ def main(argv: list[str] | None = None) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     plt.switch_backend("agg")  # figures go to files only
     torch.manual_seed(0)
-    start = time.perf_counter()
     # The tiny model's directory must outlive the run: every engine loads the model from it.
-    with tempfile.TemporaryDirectory(prefix="minivllm-tiny-") as scratch:
+    with stopwatch() as watch, tempfile.TemporaryDirectory(prefix="minivllm-tiny-") as scratch:
         run = load_run(args.quick, device, Path(scratch))
         print(f"{device_label()}, {run.model_name}, {DTYPE}; results in {out_dir}")
         failed = [number for number in numbers if not run_chapter(run, number, out_dir)]
-    print(f"{len(numbers)} chapters in {time.perf_counter() - start:.0f} s: {out_dir}")
+    print(f"{len(numbers)} chapters in {watch.seconds:.0f} s: {out_dir}")
     if failed:
         raise SystemExit(
             f"chapters {failed} failed: see their NN.error.json, or the failing branches in "
