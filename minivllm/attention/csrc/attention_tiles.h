@@ -2,8 +2,8 @@
 // loops of `paged_attention.cpp`. Every query row of a work item folds each chunk into its running
 // softmax: scores, their exponentials, and the weighted values. A decode's few rows take a chunk
 // of at most kChunkKeys keys of one block, read in place, by dot products; a prefill tile's many
-// rows take a tile of kTileKeys keys gathered across blocks, by two small matrix products, four
-// rows at a time (flash attention's inner loop).
+// rows take a tile of kTileKeys keys gathered across blocks, by two small matrix products, a
+// register tile of rows at a time (flash attention's inner loop).
 // Vectors are ATen's at::vec::Vectorized<float>, 16 floats with AVX512, 8 with AVX2.
 #pragma once
 
