@@ -1,6 +1,6 @@
 """The bench helpers that time for the notebooks and gpu_bench go through bench/measure.py: the
 matmul peak is the fastest way's median, the memory bandwidth a median, the attention backends
-of a sweep interleaved within each case. The harness is replaced by a fake that returns known
+interleaved within each case of a sweep. The harness is replaced by a fake that returns known
 rounds, so every expected number is exact."""
 
 from __future__ import annotations
@@ -49,35 +49,26 @@ def test_the_memory_bandwidth_is_the_median_of_its_rounds(monkeypatch):
     assert calls == [{"methods": ["copy"], "repeats": 3, "warmups": 1}]
 
 
-def test_best_time_keeps_the_fastest_round(monkeypatch):
-    calls = []
-    monkeypatch.setattr(benchmark, "interleaved", fake_rounds({"product": [3.0, 1.0, 2.0]}, calls))
-    assert benchmark.best_time(lambda: None, "cpu", repeats=3) == 1.0
-
-
 def test_a_sweep_interleaves_the_backends_within_each_case(monkeypatch, tiny_models):
     calls = []
     backends = ["torch", "flex"]
     rounds = {"torch": [3.0, 1.0, 2.0], "flex": [1.0, 1.0, 4.0]}
     monkeypatch.setattr(attention, "interleaved", fake_rounds(rounds, calls))
     config = tiny_models("llama")[0].config
-    seconds = attention.sweep_decode_attention(
+    timings = attention.decode_attention_timings(
         config, backends, [1, 2], [16, 32], torch.float32, "cpu", repeats=3
     )
     assert [call["methods"] for call in calls] == [backends] * 4  # one call per case
     assert all(call["repeats"] == 3 and call["warmups"] == 1 for call in calls)
-    assert seconds == {
-        "torch": dict.fromkeys([(1, 16), (1, 32), (2, 16), (2, 32)], 2.0),  # the medians
-        "flex": dict.fromkeys([(1, 16), (1, 32), (2, 16), (2, 32)], 1.0),
-    }
+    assert list(timings) == [(1, 16), (1, 32), (2, 16), (2, 32)]
+    assert timings[2, 32].spread("torch").median == 2.0
+    assert timings[2, 32].speedup("flex", "torch").values == (3.0, 1.0, 0.5)  # round by round
 
 
 def test_one_attention_step_really_runs_and_is_timed(tiny_models):
-    """The harness for real, on the torch backend: a round per repeat, each a positive time,
-    the median returned by `attention_step_seconds`."""
+    """The harness for real, on the torch backend: a round per repeat, each a positive time."""
     config = tiny_models("llama")[0].config
     pool = attention.one_layer_pool(config, 2, 32, 16, torch.float32, "cpu")
     step = attention.random_decode_step(config, pool, 2, 32)
     timings = attention.attention_step_timings(["torch"], pool, step, 2, repeats=3, warmups=0)
     assert len(timings.seconds["torch"]) == 3 and min(timings.seconds["torch"]) > 0
-    assert attention.attention_step_seconds("torch", pool, step, 2, repeats=2) > 0
