@@ -12,61 +12,20 @@ package measures what each chapter measures on a GPU, with the embedded SmolLM2-
 float32 (the dtype in which our tokens equal transformers'), the engines that a chapter times
 also in bfloat16 beside it (for speed: their tokens may differ), and everything it runs comes
 from the rest of minivllm (`run_benchmark`, the shared workloads, the chapters' modules); nothing
-in minivllm imports it. One module per chapter, in the order they run:
+in minivllm imports it. One module per chapter, chNN_name.py, run in the order of
+main.CHAPTERS after smoke.py (the CUDA smoke: every CUDA-specific branch once, each "ok",
+"skipped: <why>" or "error: <message>"); each says in its docstring what it measures and which
+notebook it feeds, and in its `measure_*` function's the fields of its JSON.
 
-    smoke.py                     the CUDA smoke, first: every CUDA-specific branch once (Triton
-                                 kernels against the torch reference, flex without falling
-                                 back, bfloat16, CUDA graphs against eager tokens, with 2+ GPUs
-                                 NCCL and TP/DP engines each rank on its own GPU), each "ok",
-                                 "skipped: <why>" or "error: <message>"
-    ch00_logits.py               our logits against transformers' on chat prompts of 20-1000
-                                 tokens: the largest difference per prompt, a histogram of all
-    ch01_naive_cost.py           one no-cache step (a forward pass over the whole sequence)
-                                 against the sequence length; the no-cache loop against
-                                 transformers' `generate`
-    ch01b_sampler_cost.py        the sampler's time per step on random logits over the model's
-                                 vocabulary, per setting (greedy, temperature, top-k, top-p,
-                                 min-p, penalties, a seed) and rows in the batch
-    ch02_kv_cache.py             every method of chapters 01-02 side by side (speedup over the
-                                 no-cache loop); one decode step against the rows in the batch;
-                                 the memory a static batch reserves against what it needs
-    ch03_memory_waste.py         the engine run step by step: KV memory holding tokens, in paged
-                                 blocks against a contiguous reservation per request; paged
-                                 decode attention against the block size
-    ch04_throughput.py           static against continuous batching at equal seats, and against
-                                 transformers' padded batches, on outputs of varied length
-    ch05_prefix_cache.py         the engine with and without prefix caching on requests that
-                                 share a long system prompt: time to first token, throughput,
-                                 prompt tokens computed
-    ch06_attention_kernels.py    the attention backends (torch reference, flex, Triton) on decode
-                                 steps over batch x context and on a prefill chunk; the Triton
-                                 decode kernel's memory bandwidth; the engine on each backend
-    ch07_parallelism.py          with 2+ GPUs, the engine alone against data parallel (DP=2) and
-                                 tensor parallel (TP=3: the model's heads need it) on chapter
-                                 04's workload, and NCCL all-reduces between 2 GPUs; with one
-                                 GPU, its decode step, matmul peak and memory bandwidth; on any
-                                 device, the projected tensor-parallel decode step of this model
-                                 and of a Llama-3-8B shape at TP = 1-8 over an NVLink ring
-    ch08_speculative_decoding.py plain decoding against n-gram speculation (k = 3 and 5) and a
-                                 layer-skip draft, greedy: copying and free-writing requests at
-                                 batch 1 (speedup, equal tokens, acceptance per draft position),
-                                 then the copying requests at batch 1-64, plain against k = 3
-    ch09_serving.py              `minivllm serve` under Poisson arrivals at a few request rates,
-                                 fresh prompts at each: TTFT, TPOT and ITL at p50/p90/p99 against
-                                 the throughput achieved
-    ch10_structured_outputs.py   the same chat requests answered freely and under a JSON schema
-                                 (xgrammar's bitmask per sampled row): output tokens/s of each
-                                 and the schema's compile time
-    ch11_compiled_step.py        the engine eager against compiled with CUDA graphs (its default
-                                 on a GPU): one request decoding alone (batch 1, where launch
-                                 overhead is the whole step) and the varied-output workload
-    ch12_quantization.py         the weights in float32, bfloat16, int8, int4 and the GGUF file's
-                                 Q4_1 blocks: batch 1 and 32 against each scheme's bandwidth
-                                 bound, the bytes the weights hold, the kernel that ran
+common.py holds what they share (the sizes, the run, its timing in interleaved rounds through
+bench/measure.py, a chapter's record and how it is saved, the helpers of two or more chapters),
+main.py the run and the command line.
 
-common.py holds what they share (the sizes, the run, a chapter's record and how it is saved),
-main.py the run and the command line; each module's docstring says which notebook it feeds,
-and each `measure_*` function's the fields of its JSON.
+Every timing goes through bench/measure.py: what is compared or repeated runs interleaved in
+rounds after an untimed one (`Run.rounds`; engines on whole workloads in `engine_repeats`
+rounds, `run_benchmark`'s or `Run.engine_rounds`), a record quotes the median and keeps the
+rounds' {median, low, high} beside it (a key ending in "_spread"), and a ratio is taken within
+each round; what happens once (a first compile, a chapter's duration) by its stopwatch.
 
 Each chapter writes two files under OUT/<device>/ (OUT is figures/gpu by default, <device> the
 GPU's name as a slug): NN-name.json and NN-name.png, e.g. figures/gpu/nvidia-h200/04-throughput;

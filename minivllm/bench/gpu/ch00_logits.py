@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
 from minivllm.baselines.naive import CausalAttention
-from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu.common import Chapter, Run, style
 from minivllm.bench.workloads import throughput_workload
 
 
@@ -57,19 +56,15 @@ def measure_logits(run: Run) -> Chapter:
     lengths = [len(p) for p in prompts.prompts]
     print(f"max |ours - transformers| = {max(max_per_prompt):.2e}; same argmax: {same_argmax}")
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    what = "Logits: minivllm vs transformers"
+    fig, (ax1, ax2) = run.figure(what, prompts, (12, 4.2), 1, 2)
     ax1.plot(lengths, np.maximum(max_per_prompt, 1e-9), "o")  # 1e-9: equal
-    ax1.set_yscale("log")
-    ax1.set_xlabel("prompt length (tokens)")
-    ax1.set_ylabel("max |ours − transformers| over the prompt's logits")
-    ax1.set_title("largest difference per prompt")
-    ax1.grid(alpha=0.3)
+    difference = "|ours − transformers|"
+    ylabel = f"max {difference} over the prompt's logits"
+    style(ax1, "prompt length (tokens)", ylabel, "largest difference per prompt", log_y=True)
     ax2.stairs(counts, edges, fill=True)
-    ax2.set_yscale("log")
-    ax2.set_xlabel("log10 |ours − transformers| per logit (−9: equal)")
-    ax2.set_ylabel("count of logits")
-    ax2.set_title(f"all {counts.sum():,} logits")
-    fig.suptitle(run.title("Logits: minivllm vs transformers", prompts), fontsize=10)
+    xlabel = f"log10 {difference} per logit (−9: equal)"
+    style(ax2, xlabel, "count of logits", f"all {counts.sum():,} logits", log_y=True, grid=None)
     return Chapter(
         "00-logits",
         prompts,

@@ -11,11 +11,10 @@ from __future__ import annotations
 from functools import partial
 from random import Random
 
-import matplotlib.pyplot as plt
 import torch
 
 from minivllm.baselines.naive import CausalAttention
-from minivllm.bench.gpu.common import Chapter, Run, plot_spreads, spread_record
+from minivllm.bench.gpu.common import Chapter, Run, plot_spreads, spread_record, style
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.workloads import chat_prompt_of_length, throughput_workload
 
@@ -44,16 +43,13 @@ def measure_naive_cost(run: Run) -> Chapter:
     )
     results = run.benchmark(run.context(), workload, ["hf", "naive"])
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    what = "Cost of generation without a KV cache"
+    fig, (ax1, ax2) = run.figure(what, workload, (12, 4.2), 1, 2)
     plot_spreads(ax1, lengths, steps, 1e3)
-    ax1.set_xlabel("sequence length L (tokens)")
-    ax1.set_ylabel("time of one no-cache step (ms)")
     ax1.set_ylim(bottom=0)
-    ax1.set_title("a forward pass over the whole sequence, per new token")
-    ax1.grid(alpha=0.3)
-    plot_throughput(results, "", ax=ax2, baseline="naive")
-    ax2.set_title("whole requests")
-    fig.suptitle(run.title("Cost of generation without a KV cache", workload), fontsize=10)
+    title = "a forward pass over the whole sequence, per new token"
+    style(ax1, "sequence length L (tokens)", "time of one no-cache step (ms)", title)
+    plot_throughput(results, "whole requests", ax=ax2, baseline="naive")
     return Chapter(
         "01-cost-vs-length",
         workload,

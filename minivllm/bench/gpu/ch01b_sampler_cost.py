@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from functools import partial
 
-import matplotlib.pyplot as plt
 import torch
 
-from minivllm.bench.gpu.common import Chapter, Run, spread_record
+from minivllm.bench.gpu.common import Chapter, Run, spread_record, style
 from minivllm.bench.workloads import Workload
 from minivllm.sample.sampler import Sampler, SamplingRow, make_generator
 from minivllm.sample.sampling_params import SamplingParams
@@ -59,7 +58,11 @@ def measure_sampler_cost(run: Run) -> Chapter:
             rows_ms.append(dict(setting=setting, rows=rows) | ms)
     print("\n".join(f"{r['setting']:>16}, {r['rows']:>4} rows: {r['ms']:.3f} ms" for r in rows_ms))
 
-    fig, ax = plt.subplots(figsize=(10, 4), layout="constrained")
+    workload = Workload(
+        "sampler-rows", [], [], f"random logits over {vocab} tokens, 64 tokens of history a row"
+    )
+    what = "The sampler's cost per step, by decoding setting"
+    fig, ax = run.figure(what, workload, (10, 4))
     settings = list(SAMPLER_SETTINGS)
     width = 0.8 / len(run.sizes.sampler_batches)
     for i, rows in enumerate(run.sizes.sampler_batches):
@@ -72,16 +75,7 @@ def measure_sampler_cost(run: Run) -> Chapter:
         [x + width * (len(run.sizes.sampler_batches) - 1) / 2 for x in range(len(settings))],
         settings,
     )
-    ax.set_ylabel("milliseconds per sampler call")
-    ax.set_yscale("log")
-    ax.legend()
-    ax.grid(axis="y", alpha=0.3)
-    workload = Workload(
-        "sampler-rows", [], [], f"random logits over {vocab} tokens, 64 tokens of history a row"
-    )
-    fig.suptitle(
-        run.title("The sampler's cost per step, by decoding setting", workload), fontsize=10
-    )
+    style(ax, "", "milliseconds per sampler call", log_y=True, legend=10, grid="y")
     return Chapter(
         "01b-sampler-cost", workload, fig, [], dict(sampler_ms=rows_ms, vocab_size=vocab)
     )

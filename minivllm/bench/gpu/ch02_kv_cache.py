@@ -7,7 +7,6 @@ batch; the memory a static batch reserves against what its requests need.
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import torch
 
 from minivllm.baselines.kv_cache import generate_static_batch
@@ -17,9 +16,11 @@ from minivllm.bench.gpu.common import (
     Chapter,
     MiB,
     Run,
+    dtype_name,
     plot_spreads,
     rate_spread,
     spread_record,
+    style,
     time_decode_steps,
 )
 from minivllm.bench.gpu_results import plot_throughput
@@ -49,20 +50,16 @@ def measure_kv_cache(run: Run) -> Chapter:
     decode = time_decode_steps(run, sizes.decode_rows, sizes.decode_context)
     static_batch = static_batch_memory(run, ctx)
 
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.4), layout="constrained")
-    plot_throughput(results, "", ax=ax1, baseline="naive")
-    ax1.set_title("whole requests, one static batch", fontsize=9)
+    what = "The KV cache and static batching"
+    fig, (ax1, ax2, ax3) = run.figure(what, workload, (17, 4.4), 1, 3)
+    plot_throughput(results, "whole requests, one static batch", ax=ax1, baseline="naive")
     rows = list(sizes.decode_rows)
     # Tokens per second, round by round: a row makes one token a step.
     rates = [rate_spread(r, step) for r, step in zip(rows, decode)]
     plot_spreads(ax2, rows, rates, color="tab:green")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xticks(rows, [str(r) for r in rows])
-    ax2.set_xlabel("rows in the decode batch")
-    ax2.set_ylabel("generated tokens per second")
     ax2.set_ylim(bottom=0)
-    ax2.set_title(f"one decode step, {sizes.decode_context} cached tokens per row", fontsize=9)
-    ax2.grid(alpha=0.3)
+    title = f"one decode step, {sizes.decode_context} cached tokens per row"
+    style(ax2, "rows in the decode batch", "generated tokens per second", title, rows)
     reserved, needed = static_batch["reserved_kv_bytes"], static_batch["needed_kv_bytes"]
     ax3.bar(
         ["reserved\n(rows × longest)", "needed\n(each request's length)"],
@@ -76,9 +73,8 @@ def measure_kv_cache(run: Run) -> Chapter:
         f" memory needed, {useful:.0%} of the decode rows useful",
         fontsize=9,
     )
-    fig.suptitle(run.title("The KV cache and static batching", workload), fontsize=10)
     per_token = {
-        str(d).removeprefix("torch."): run.model.config.kv_bytes_per_token(d)
+        dtype_name(d): run.model.config.kv_bytes_per_token(d)
         for d in (torch.float32, torch.bfloat16)
     }
     return Chapter(

@@ -11,14 +11,20 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
 from minivllm.attention.backend import AttentionMetadata, PagedKVCache
 from minivllm.attention.torch_paged import TorchPagedAttention
-from minivllm.bench.benchmark import workload_kv_cache_bytes
-from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run, plot_spreads, spread_record
+from minivllm.bench.gpu.common import (
+    DTYPE,
+    Chapter,
+    MiB,
+    Run,
+    plot_spreads,
+    spread_record,
+    style,
+)
 from minivllm.bench.workloads import Workload, varied_output_workload
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -64,7 +70,8 @@ def measure_memory_waste(run: Run) -> Chapter:
         attention = run.sweep({size: paged_attention_call(run, size) for size in block_sizes})
 
     per_token = run.model.config.kv_bytes_per_token(DTYPE)
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 4.4), layout="constrained")
+    what = "KV memory: contiguous vs paged"
+    fig, (ax1, ax2, ax3) = run.figure(what, workload, (17, 4.4), 1, 3)
     steps = np.arange(1, len(per_step["tokens_held"]) + 1)
     mib = {name: np.array(values) * per_token / MiB for name, values in per_step.items()}
     ax1.fill_between(steps, mib["tokens_held"], step="post", alpha=0.5, label="holding tokens")
@@ -72,11 +79,8 @@ def measure_memory_waste(run: Run) -> Chapter:
     ax1.step(
         steps, mib["contiguous_final_slots"], where="post", label="contiguous, exact final length"
     )
-    ax1.set_xlabel("engine step")
-    ax1.set_ylabel("KV cache memory (MiB)")
-    ax1.set_title("memory held by the running requests", fontsize=9)
-    ax1.legend(fontsize=8)
-    ax1.grid(alpha=0.3)
+    title = "memory held by the running requests"
+    style(ax1, "engine step", "KV cache memory (MiB)", title, legend=8)
     labels = {
         "contiguous_max": f"contiguous,\nmax length {max_reservation}",
         "contiguous_final": "contiguous,\nexact final length",
@@ -89,21 +93,12 @@ def measure_memory_waste(run: Run) -> Chapter:
     )
     ax2.bar_label(bars, [f" {token_share[k]:.1%}" for k in labels])
     ax2.set_xlim(0, 100)
-    ax2.set_xlabel("reserved KV memory holding tokens (%)")
-    ax2.set_title("over the whole run", fontsize=9)
+    style(ax2, "reserved KV memory holding tokens (%)", "", "over the whole run", grid=None)
     plot_spreads(ax3, block_sizes, attention, 1e3, color="tab:green")
-    ax3.set_xscale("log", base=2)
-    ax3.set_xticks(block_sizes, [str(b) for b in block_sizes])
-    ax3.set_xlabel("block size (tokens)")
-    ax3.set_ylabel("time per call (ms)")
     ax3.set_ylim(bottom=0)
-    ax3.set_title(
-        f"torch paged decode attention: {run.sizes.attention_seqs} seqs × "
-        f"{run.sizes.attention_seq_len} tokens, 1 layer",
-        fontsize=9,
-    )
-    ax3.grid(alpha=0.3)
-    fig.suptitle(run.title("KV memory: contiguous vs paged", workload), fontsize=10)
+    sizes = f"{run.sizes.attention_seqs} seqs × {run.sizes.attention_seq_len} tokens, 1 layer"
+    title = f"torch paged decode attention: {sizes}"
+    style(ax3, "block size (tokens)", "time per call (ms)", title, block_sizes)
     return Chapter(
         "03-memory-waste",
         workload,
@@ -133,9 +128,7 @@ def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[
         device=run.device,
         block_size=BLOCK_SIZE,
         enable_prefix_caching=False,  # chapter 05's sharing off: one owner per block
-        kv_cache_memory_bytes=workload_kv_cache_bytes(
-            workload, run.model.config, DTYPE, BLOCK_SIZE
-        ),
+        kv_cache_memory_bytes=run.kv_budget(workload, DTYPE, BLOCK_SIZE),
     )
     engine = LLMEngine(config)
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lengths)):

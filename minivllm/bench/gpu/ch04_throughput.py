@@ -7,8 +7,6 @@ engine in float32 and in bfloat16.
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
-
 from minivllm.bench.gpu.common import Chapter, Run
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.workloads import varied_output_workload
@@ -35,10 +33,7 @@ def measure_throughput(run: Run) -> Chapter:
     ]
     results = run.benchmark(ctx, workload, methods)
 
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.7 * len(results)), layout="constrained")
+    what = f"Static vs continuous batching, at most {seats} sequences at once"
+    fig, ax = run.figure(what, workload, (10, 1.2 + 0.7 * len(results)))
     plot_throughput(results, "", ax=ax, baseline=f"static:{seats}")
-    fig.suptitle(
-        run.title(f"Static vs continuous batching, at most {seats} sequences at once", workload),
-        fontsize=10,
-    )
     return Chapter("04-throughput", workload, fig, results, dict(seats=seats))

@@ -6,9 +6,7 @@ a long system prompt: time to first token, throughput, prompt tokens computed.
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
-
-from minivllm.bench.gpu.common import Chapter, Run
+from minivllm.bench.gpu.common import Chapter, Run, result_speedup, spread_record, style
 from minivllm.bench.workloads import shared_prefix_workload
 
 DTYPES = ("", "@bfloat16")  # each engine in the run's dtype, then in bfloat16
@@ -20,8 +18,10 @@ def measure_prefix_cache(run: Run) -> Chapter:
     JSON: results ("engine-no-prefix-cache", "engine", then both "@bfloat16": median_ttft_s,
     prompt_tokens_computed, output_tokens_per_s among their fields); prefix_cache_hit_rate (prompt
     tokens found cached over those looked up, the warm-up request's included); ttft_ratio (off /
-    on); throughput_ratio (on / off); prompt_tokens_computed {off, on}; the last four of the
-    float32 engines (the bfloat16 rows are for speed: compare them in results).
+    on, each the median request's in the last round); throughput_ratio (on / off, the median of
+    the ratios within `engine_repeats` rounds) and throughput_ratio_spread;
+    prompt_tokens_computed {off, on}: these of the float32 engines (the bfloat16 rows are for
+    speed: compare them in results).
     """
     workload = shared_prefix_workload(
         run.tokenizer,
@@ -38,13 +38,16 @@ def measure_prefix_cache(run: Run) -> Chapter:
     metrics = {m.name: m.value for m in ctx.engines["engine"].get_metrics()}
     hit_rate = metrics["vllm:prefix_cache_hits"] / metrics["vllm:prefix_cache_queries"]
 
+    # On over off, round by round (the engines ran interleaved).
+    throughput = result_speedup(results, "engine", "engine-no-prefix-cache")
     pairs = list(zip(results[::2], results[1::2]))  # (off, on) of each dtype
     panels = [
         ("time to first token, median (s)", "median_ttft_s"),
         ("output tokens per second", "output_tokens_per_s"),
         ("prompt tokens computed", "prompt_tokens_computed"),
     ]
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2), layout="constrained")
+    what = f"Prefix caching (hit rate {hit_rate:.0%})"
+    fig, axes = run.figure(what, workload, (16, 4.2), 1, 3)
     for ax, (label, attribute) in zip(axes, panels):
         names, values, texts = [], [], []
         for without, with_cache in pairs:
@@ -54,11 +57,9 @@ def measure_prefix_cache(run: Run) -> Chapter:
             texts += [f"{off_value:.3g}", f"{on_value:.3g} ({on_value / off_value:.2f}x)"]
         bars = ax.bar(names, values, color=["tab:gray", "tab:purple"] * len(pairs))
         ax.bar_label(bars, texts, fontsize=8)
-        ax.set_ylabel(label)
         ax.set_ylim(0, max(values) * 1.2)
         ax.tick_params(axis="x", labelsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(run.title(f"Prefix caching (hit rate {hit_rate:.0%})", workload), fontsize=10)
+        style(ax, "", label, grid="y")
     return Chapter(
         "05-prefix-cache",
         workload,
@@ -67,7 +68,8 @@ def measure_prefix_cache(run: Run) -> Chapter:
         dict(
             prefix_cache_hit_rate=hit_rate,
             ttft_ratio=off.median_ttft_s / on.median_ttft_s,
-            throughput_ratio=on.output_tokens_per_s / off.output_tokens_per_s,
+            throughput_ratio=throughput.median,
+            throughput_ratio_spread=spread_record(throughput),
             prompt_tokens_computed=dict(
                 off=off.prompt_tokens_computed, on=on.prompt_tokens_computed
             ),

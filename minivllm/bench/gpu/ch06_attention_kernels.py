@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import matplotlib.pyplot as plt
 import torch
 
 from minivllm.attention import triton_paged
@@ -20,7 +19,7 @@ from minivllm.bench.attention import (
     random_decode_step,
     random_step,
 )
-from minivllm.bench.gpu.common import DTYPE, Chapter, Run, spread_record
+from minivllm.bench.gpu.common import DTYPE, Chapter, Run, plot_spreads, spread_record, style
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.measure import Timings
 from minivllm.bench.workloads import varied_output_workload
@@ -77,23 +76,16 @@ def measure_attention_kernels(run: Run) -> Chapter:
     limits = dict(max_num_seqs=2, max_num_batched_tokens=16) if run.quick else {}
     results = run.benchmark(run.context(engine_args=limits), workload, methods)
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 4.5), layout="constrained")
+    fig, (left, right) = run.figure("Attention backends", workload, (14, 4.5), 1, 2)
+    contexts = list(sizes.kernel_contexts)
     for name in backends:
         for b in sizes.kernel_batches:
-            left.plot(
-                sizes.kernel_contexts,
-                [timings[b, c].spread(name).median * 1e3 for c in sizes.kernel_contexts],
-                "o-",
-                label=f"{name}, batch {b}",
-            )
-    left.set_xscale("log", base=2)
-    left.set_yscale("log")
-    left.set_xlabel("context per sequence (tokens)")
-    left.set_ylabel(f"attention per decode step, {config.num_layers} layers (ms)")
+            spreads = [timings[b, c].spread(name) for c in contexts]
+            plot_spreads(left, contexts, spreads, 1e3, label=f"{name}, batch {b}")
+    ylabel = f"attention per decode step, {config.num_layers} layers (ms)"
+    style(left, "context per sequence (tokens)", ylabel, log2_ticks=contexts, log_y=True)
     left.legend(fontsize=7, ncol=len(backends))
-    left.grid(alpha=0.3)
     plot_throughput(results, "the engine on each backend", ax=right, baseline=methods[0])
-    fig.suptitle(run.title("Attention backends", workload), fontsize=10)
     return Chapter(
         "06-attention-kernels",
         workload,

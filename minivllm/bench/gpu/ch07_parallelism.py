@@ -20,8 +20,12 @@ from minivllm.bench.gpu.common import (
     Chapter,
     Run,
     all_reduce_between_processes,
+    dtype_name,
     engine_tensor_parallel_size,
+    error_bars,
+    plot_rows,
     spread_record,
+    style,
     tensor_parallel_sizes,
     time_decode_steps,
 )
@@ -47,6 +51,7 @@ PROJECTION_BATCHES = tuple(2**k for k in range(9))  # 1 to 256 sequences
 PROJECTION_TP_SIZES = (1, 2, 3, 4, 8)
 DATA_PARALLEL_SIZE = 2  # fits any model: every replica holds all of it
 NVLINK_NAME = "NVLink 4 (spec sheet, 450 GB/s each way; 10 µs latency assumed)"
+BATCH_LABEL = "sequences in the decode batch"
 TP_COLORS = {1: "tab:blue", 2: "tab:orange", 3: "tab:red", 4: "tab:green", 8: "tab:purple"}
 
 
@@ -139,7 +144,7 @@ def measure_parallelism(run: Run) -> Chapter:
             link=None if link is None else asdict(link),
             machine=asdict(machine),
             decode_steps=decode_steps,
-            projection_dtype=str(PROJECTION_DTYPE).removeprefix("torch."),
+            projection_dtype=dtype_name(PROJECTION_DTYPE),
             projection_context=sizes.parallel_context,
             projection_links=[dict(tp=n, **asdict(nvlink(n))) for n in tp_sizes],
             projection=projection,
@@ -178,7 +183,7 @@ def measure_rank_all_reduce(run: Run, num_gpus: int) -> tuple[str | None, list[d
 def measure_machine(run: Run) -> Machine:
     """This device's two roofline numbers in the projection's dtype, measured: the best matrix
     product and a large copy."""
-    dtype = str(PROJECTION_DTYPE).removeprefix("torch.")
+    dtype = dtype_name(PROJECTION_DTYPE)
     return Machine(
         f"{device_label()}, measured in {dtype}",
         peak_flops=measure_matmul_peak(PROJECTION_DTYPE, run.device, run.sizes.matmul_size),
@@ -244,28 +249,21 @@ def plot_parallelism(
 ) -> plt.Figure:
     """All-reduce time against message size; this model's decode step, measured and projected;
     each TP size's projected speedup against the batch; the engines' throughput if they ran."""
-    fig, axes = plt.subplots(
-        1, 4 if results else 3, figsize=(22 if results else 17, 4.6), layout="constrained"
-    )
+    what, panels = "Tensor and data parallelism", 4 if results else 3
+    fig, axes = run.figure(what, workload, (22 if results else 17, 4.6), 1, panels)
     plot_all_reduce(axes[0], all_reduce, link)
     plot_decode_steps(axes[1], run, decode_steps, projection)
     plot_projected_speedup(axes[2], run, projection)
     if results:
         plot_throughput(results, "the engine, whole workload", ax=axes[3], baseline="engine")
-    fig.suptitle(run.title("Tensor and data parallelism", workload), fontsize=10)
     return fig
 
 
 def plot_all_reduce(ax, all_reduce: list[dict], link: Link | None) -> None:
     message = np.geomspace(2**8, 2**28, 60)  # bytes
     if all_reduce:
-        ax.plot(
-            [row["bytes"] for row in all_reduce],
-            [row["seconds"] * 1e6 for row in all_reduce],
-            "o",
-            color="black",
-            label=f"measured, {link.name.removesuffix(' (measured)')}",
-        )
+        label = f"measured, {link.name.removesuffix(' (measured)')}"
+        plot_rows(ax, all_reduce, "bytes", "seconds", "o", 1e6, color="black", label=label)
         ax.plot(
             message,
             [link.all_reduce_seconds(n) * 1e6 for n in message],
@@ -281,68 +279,39 @@ def plot_all_reduce(ax, all_reduce: list[dict], link: Link | None) -> None:
             label=f"ring of {tp} GPUs, {NVLINK_NAME}",
         )
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("all-reduce message (bytes)")
-    ax.set_ylabel("time of one all-reduce (µs)")
     measured = "measured between 2 ranks" if all_reduce else "none measured (one GPU)"
-    ax.set_title(f"all-reduce: {measured}", fontsize=9)
-    ax.legend(fontsize=6)
-    ax.grid(alpha=0.3)
+    xlabel, ylabel = "all-reduce message (bytes)", "time of one all-reduce (µs)"
+    style(ax, xlabel, ylabel, f"all-reduce: {measured}", log_y=True, legend=6)
 
 
 def plot_decode_steps(ax, run: Run, decode_steps: list[dict], projection: list[dict]) -> None:
     where = "1 GPU" if run.device.type == "cuda" else "this CPU"
-    ax.plot(
-        [row["batch"] for row in decode_steps],
-        [row["measured_s"] * 1e3 for row in decode_steps],
-        "o-",
-        color="black",
-        label=f"measured, {where}",
-    )
+    # Milliseconds: the median of each batch's rounds, and their range as an error bar.
+    spreads = [{k: v * 1e3 for k, v in row["measured_spread"].items()} for row in decode_steps]
+    batches, medians = [row["batch"] for row in decode_steps], [s["median"] for s in spreads]
+    label = f"measured, {where}"
+    ax.errorbar(batches, medians, error_bars(spreads), fmt="o-", capsize=3, color="k", label=label)
     ours = [row for row in projection if row["model"] == run.model_name]
     for tp in sorted({row["tp"] for row in ours}):
         rows = [row for row in ours if row["tp"] == tp]
-        ax.plot(
-            [row["batch"] for row in rows],
-            [row["seconds"] * 1e3 for row in rows],
-            "--",
-            color=TP_COLORS[tp],
-            label=f"projected, TP={tp}" + (" (roofline)" if tp == 1 else " (+ all-reduces)"),
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequences in the decode batch")
-    ax.set_ylabel("time of one decode step (ms)")
-    dtype = str(PROJECTION_DTYPE).removeprefix("torch.")
-    ax.set_title(
-        f"{run.model_name}, {dtype}, {run.sizes.parallel_context} cached tokens per sequence",
-        fontsize=9,
-    )
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+        label = f"projected, TP={tp}" + (" (roofline)" if tp == 1 else " (+ all-reduces)")
+        plot_rows(ax, rows, "batch", "seconds", "--", 1e3, color=TP_COLORS[tp], label=label)
+    dtype = dtype_name(PROJECTION_DTYPE)
+    title = f"{run.model_name}, {dtype}, {run.sizes.parallel_context} cached tokens per sequence"
+    ylabel = "time of one decode step (ms)"
+    style(ax, BATCH_LABEL, ylabel, title, PROJECTION_BATCHES, log_y=True, legend=7)
 
 
 def plot_projected_speedup(ax, run: Run, projection: list[dict]) -> None:
-    for model, style in ((run.model_name, ":"), ("Llama-3-8B shape", "-")):
+    for model, line in ((run.model_name, ":"), ("Llama-3-8B shape", "-")):
         rows = [row for row in projection if row["model"] == model]
         for tp in sorted({row["tp"] for row in rows} - {1}):
-            ax.plot(
-                [row["batch"] for row in rows if row["tp"] == tp],
-                [row["speedup"] for row in rows if row["tp"] == tp],
-                style,
-                color=TP_COLORS[tp],
-                marker="o",
-                markersize=3,
-                label=f"{model}, TP={tp}",
-            )
+            at_tp = [row for row in rows if row["tp"] == tp]
+            look = dict(color=TP_COLORS[tp], marker="o", markersize=3, label=f"{model}, TP={tp}")
+            plot_rows(ax, at_tp, "batch", "speedup", line, **look)
     ax.axhline(1, color="gray", linewidth=0.8)
-    ax.set_xscale("log", base=2)
     ax.set_yscale("log", base=2)
-    ax.set_xlabel("sequences in the decode batch")
-    ax.set_ylabel("projected decode-step speedup over 1 GPU (×)")
-    dtype = str(PROJECTION_DTYPE).removeprefix("torch.")
-    ax.set_title(
-        f"projection, {dtype}: this device's roofline / TP + NVLink all-reduces", fontsize=9
-    )
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    dtype = dtype_name(PROJECTION_DTYPE)
+    title = f"projection, {dtype}: this device's roofline / TP + NVLink all-reduces"
+    ylabel = "projected decode-step speedup over 1 GPU (×)"
+    style(ax, BATCH_LABEL, ylabel, title, PROJECTION_BATCHES, legend=7)

@@ -14,19 +14,19 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from minivllm.bench.benchmark import workload_kv_cache_bytes
 from minivllm.bench.gpu.common import (
     DTYPE,
     Chapter,
     Run,
     chat_requests,
-    rate_spread,
-    ratio_spread,
+    dtype_name,
+    error_bars,
+    generate_tokens,
+    rate_and_ratio,
     spread_record,
+    style,
 )
-from minivllm.bench.measure import Spread, Timings
 from minivllm.bench.workloads import Workload
-from minivllm.config import EngineConfig
 from minivllm.entrypoints.llm import LLM
 from minivllm.sample.sampling_params import SamplingParams
 
@@ -98,13 +98,14 @@ def measure_speculative_decoding(run: Run) -> Chapter:
             run, sweep_prompts[largest], torch.bfloat16, list(BFLOAT16_METHODS)
         )
 
+    greedy = SamplingParams(temperature=0.0, max_tokens=sizes.spec_output)
     batch1, acceptance, verification_steps = [], {}, {}
     for workload, prompts in workloads.items():
         # Each engine's counters are read (untimed) before each of its passes over the
         # workload, so that the last reading and the one after the rounds bound one pass.
         before: dict[str, dict[str, float]] = {}
         timings = run.engine_rounds(
-            {method: partial(greedy_tokens, llm, prompts, sizes.spec_output, alone=True)
+            {method: partial(generate_tokens, llm, prompts, greedy, alone=True)
              for method, llm in engines.items()},
             prepare={method: partial(read_counters, before, method, llm)
                      for method, llm in engines.items()},
@@ -134,7 +135,7 @@ def measure_speculative_decoding(run: Run) -> Chapter:
     batch_sweep = []
     for batch, prompts in sweep_prompts.items():
         timings = run.engine_rounds(
-            {name: partial(greedy_tokens, engines[name], prompts, sizes.spec_output)
+            {name: partial(generate_tokens, engines[name], prompts, greedy)
              for name in ("plain", SWEEP_METHOD)}
         )  # fmt: skip
         speculative, ratio = rate_and_ratio(timings, SWEEP_METHOD, "plain")
@@ -189,7 +190,7 @@ def speculative_engines(
         [run.sizes.spec_output + most_drafts] * len(largest_batch),
         "",
     )
-    budget = workload_kv_cache_bytes(largest, run.model.config, dtype, EngineConfig.block_size)
+    budget = run.kv_budget(largest, dtype)
     engine = partial(
         LLM,
         run.model_dir,
@@ -198,7 +199,7 @@ def speculative_engines(
         kv_cache_memory_bytes=budget,
         enable_prefix_caching=False,
     )
-    suffix = "" if dtype == DTYPE else "@" + str(dtype).removeprefix("torch.")
+    suffix = "" if dtype == DTYPE else "@" + dtype_name(dtype)
     engines = {}
     num_layers = run.model.config.num_layers
     for name in names:
@@ -241,34 +242,11 @@ def read_counters(readings: dict, method: str, llm: LLM) -> None:
     readings[method] = spec_counters(llm)
 
 
-def greedy_tokens(
-    llm: LLM, prompts: list[dict], max_tokens: int, alone: bool = False
-) -> list[list[int]]:
-    """Each request's greedy tokens, all submitted at once or, `alone`, each run by itself
-    (batch 1). `generate` returns tokens on the host: the device is done when it returns."""
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    batches = [[prompt] for prompt in prompts] if alone else [prompts]
-    return [
-        list(output.outputs[0].token_ids)
-        for batch in batches
-        for output in llm.generate(batch, greedy, use_tqdm=False)
-    ]
-
-
-def rate_and_ratio(timings: Timings, method: str, baseline: str) -> tuple[Spread, Spread]:
-    """`method`'s output tokens per second, and its rate over `baseline`'s, both round by
-    round (the tokens of a method are the same every round: greedy)."""
-    rates = {
-        name: rate_spread(sum(map(len, timings.results[name])), timings.spread(name))
-        for name in (method, baseline)
-    }
-    return rates[method], ratio_spread(rates[method], rates[baseline])
-
-
 def plot_speculative_decoding(
     run: Run, workload: Workload, batch1: list[dict], batch_sweep: list[dict]
 ) -> plt.Figure:
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.2), layout="constrained")
+    what = "Speculative decoding with n-gram drafts, greedy"
+    fig, (ax1, ax2) = run.figure(what, workload, (12, 4.2), 1, 2)
     workloads = list(dict.fromkeys(row["workload"] for row in batch1))
     methods = [
         m for m in dict.fromkeys(row["method"] for row in batch1) if m.partition("@")[0] != "plain"
@@ -277,27 +255,23 @@ def plot_speculative_decoding(
     for i, method in enumerate(methods):
         rows = {row["workload"]: row for row in batch1 if row["method"] == method}
         x = np.arange(len(workloads)) + (i - (len(methods) - 1) / 2) * width
-        bars = ax1.bar(x, [rows[w]["speedup"] for w in workloads], width, label=method)
+        spreads = error_bars([rows[w]["speedup_spread"] for w in workloads])
+        speedups = [rows[w]["speedup"] for w in workloads]
+        bars = ax1.bar(x, speedups, width, yerr=spreads, capsize=3, label=method)
         ax1.bar_label(bars, [f"{rows[w]['speedup']:.2f}x" for w in workloads], fontsize=8)
     ax1.axhline(1, color="gray", linewidth=0.8)
-    ax1.set_ylim(0, max(row["speedup"] for row in batch1) * 1.15)  # room for the labels
+    highest = max(row["speedup_spread"]["high"] for row in batch1)
+    ax1.set_ylim(0, highest * 1.15)  # room for the labels
     ax1.set_xticks(range(len(workloads)), [f"{w} requests" for w in workloads])
-    ax1.set_ylabel("output tokens/s, speculative / plain (×)")
-    ax1.set_title("batch 1: each request alone")
-    ax1.legend(fontsize=8)
-    ax1.grid(axis="y", alpha=0.3)
+    ylabel = "output tokens/s, speculative / plain (×)"
+    style(ax1, "", ylabel, "batch 1: each request alone", legend=8, grid="y")
 
     batches = [row["batch"] for row in batch_sweep]
-    ax2.plot(batches, [row["ratio"] for row in batch_sweep], "o-", label=f"{SWEEP_METHOD} / plain")
+    spreads = error_bars([row["ratio_spread"] for row in batch_sweep])
+    ratios = [row["ratio"] for row in batch_sweep]
+    label = f"{SWEEP_METHOD} / plain"
+    ax2.errorbar(batches, ratios, yerr=spreads, fmt="o-", capsize=3, label=label)
     ax2.axhline(1, color="gray", linewidth=0.8)
-    ax2.set_xscale("log", base=2)
-    ax2.set_xticks(batches, [str(b) for b in batches])
-    ax2.set_xlabel("copying requests in the batch")
-    ax2.set_ylabel("output tokens/s, speculative / plain (×)")
-    ax2.set_title("copying requests, all submitted at once")
-    ax2.legend(fontsize=8)
-    ax2.grid(alpha=0.3)
-    fig.suptitle(
-        run.title("Speculative decoding with n-gram drafts, greedy", workload), fontsize=10
-    )
+    title = "copying requests, all submitted at once"
+    style(ax2, "copying requests in the batch", ylabel, title, batches, legend=8)
     return fig

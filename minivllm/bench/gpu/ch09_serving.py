@@ -15,14 +15,10 @@ from __future__ import annotations
 import asyncio
 import math
 
-import matplotlib.pyplot as plt
-
-from minivllm.bench.benchmark import workload_kv_cache_bytes
-from minivllm.bench.gpu.common import DTYPE, Chapter, Run
+from minivllm.bench.gpu.common import DTYPE, Chapter, Run, dtype_name
 from minivllm.bench.gpu_results import SERVING_LATENCIES, plot_latency_against_throughput
 from minivllm.bench.serve import ServerProcess, run_at_rate, served_model, split_per_rate
 from minivllm.bench.workloads import Workload, throughput_workload
-from minivllm.config import EngineConfig
 
 PROMPT_LENGTHS = (20, 300)  # tokens, spread evenly over the requests of every rate
 # On a GPU the server compiles its model and records its CUDA graphs before it answers /health:
@@ -63,17 +59,14 @@ def measure_serving(run: Run) -> Chapter:
                 f"TPOT {result.tpot_ms['p50']:.2f} ms, ITL {result.itl_ms['p50']:.2f} ms"
             )
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4), layout="constrained")
+    what = "Serving latency under Poisson arrivals, prefix caching off"
+    fig, axes = run.figure(what, workload, (16, 4.4), 1, 3)
     for ax, latency in zip(axes, SERVING_LATENCIES):
         plot_latency_against_throughput(ax, rows, latency, f"minivllm serve, {run.model_name}")
         ax.set_title(SERVING_LATENCIES[latency], fontsize=9)
         # A log scale needs positive times: a rate at which nothing completed has none.
         if all(row[latency]["p50"] > 0 for row in rows):
             ax.set_yscale("log")
-    fig.suptitle(
-        run.title("Serving latency under Poisson arrivals, prefix caching off", workload),
-        fontsize=10,
-    )
     return Chapter(
         "09-serving",
         workload,
@@ -113,16 +106,11 @@ def server_args(run: Run, prompts_per_rate: list[list[list[int]]]) -> list[str]:
     would take most of a GPU that this process already uses, or 2 GiB of zeroed CPU memory)."""
     output = run.sizes.serve_output
     budget = max(
-        workload_kv_cache_bytes(
-            Workload("one-rate", prompts, [output] * len(prompts), ""),
-            run.model.config,
-            DTYPE,
-            EngineConfig.block_size,
-        )
+        run.kv_budget(Workload("one-rate", prompts, [output] * len(prompts), ""))
         for prompts in prompts_per_rate
     )
     args = [
-        "--model", run.model_dir, "--dtype", str(DTYPE).removeprefix("torch."),
+        "--model", run.model_dir, "--dtype", dtype_name(DTYPE),
         "--device", run.device, "--max-num-seqs", run.sizes.serve_seats,
         "--kv-cache-memory-bytes", budget, "--no-enable-prefix-caching",
     ]  # fmt: skip

@@ -6,24 +6,23 @@ row): output tokens/s of each, and the schema's compile time; a full run adds bo
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
-import matplotlib.pyplot as plt
 import torch
 
-from minivllm.bench.benchmark import workload_kv_cache_bytes
 from minivllm.bench.gpu.common import (
     DTYPE,
     Chapter,
     Run,
     chat_requests,
-    rate_spread,
-    ratio_spread,
+    dtype_name,
+    generate_tokens,
+    rate_and_ratio,
     spread_record,
 )
 from minivllm.bench.measure import Spread, stopwatch
 from minivllm.bench.workloads import Workload
-from minivllm.config import EngineConfig
 from minivllm.entrypoints.llm import LLM
 from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -65,12 +64,12 @@ def measure_structured_outputs(run: Run) -> Chapter:
         + f" ({ratio.format()}x)"
     )
 
-    fig, ax = plt.subplots(figsize=(8, 1.6 + 0.7 * len(rows)), layout="constrained")
+    what = "Structured outputs: the grammar's cost"
+    fig, ax = run.figure(what, workload, (8, 1.6 + 0.7 * len(rows)))
     bars = ax.barh([r["mode"] for r in rows], [r["tokens_per_s"] for r in rows], color="tab:purple")
     ax.bar_label(bars, [f" {r['tokens_per_s']:.1f}" for r in rows])
     ax.set_xlabel("output tokens per second")
     ax.invert_yaxis()
-    fig.suptitle(run.title("Structured outputs: the grammar's cost", workload), fontsize=10)
     return Chapter(
         "10-structured-outputs",
         workload,
@@ -92,14 +91,13 @@ def free_and_constrained(
     and under the schema, the two interleaved in `engine_repeats` rounds: a row for each
     ("@bfloat16" after the mode when not the run's dtype), the schema's rate over the free one
     round by round, and the seconds of the schema's first compile (a one-off)."""
-    suffix = "" if dtype == DTYPE else "@" + str(dtype).removeprefix("torch.")
-    budget = workload_kv_cache_bytes(workload, run.model.config, dtype, EngineConfig.block_size)
+    suffix = "" if dtype == DTYPE else "@" + dtype_name(dtype)
     llm = LLM(
         str(run.model_dir),
         dtype=dtype,
         device=str(run.device),
         enforce_eager=run.quick,
-        kv_cache_memory_bytes=budget,
+        kv_cache_memory_bytes=run.kv_budget(workload, dtype),
     )
     prompts = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
     schema = StructuredOutputsParams(json=PERSON_SCHEMA)
@@ -107,27 +105,14 @@ def free_and_constrained(
         llm.generate(
             prompts[:1], SamplingParams(max_tokens=1, structured_outputs=schema), use_tqdm=False
         )
-    modes = {"free": None, "json schema": schema}
-    timings = run.engine_rounds(
-        {
-            mode: partial(
-                llm.generate,
-                prompts,
-                SamplingParams(
-                    temperature=0.0,
-                    max_tokens=run.sizes.grammar_output,
-                    structured_outputs=constraint,
-                ),
-                use_tqdm=False,
-            )
-            for mode, constraint in modes.items()
-        }
-    )
-    rows, rates = [], {}
+    greedy = SamplingParams(temperature=0.0, max_tokens=run.sizes.grammar_output)
+    modes = {"free": greedy, "json schema": replace(greedy, structured_outputs=schema)}
+    calls = {mode: partial(generate_tokens, llm, prompts, params) for mode, params in modes.items()}
+    timings = run.engine_rounds(calls)
+    rows = []
     for mode in modes:
-        tokens = sum(len(o.outputs[0].token_ids) for o in timings.results[mode])
+        tokens = sum(map(len, timings.results[mode]))
         seconds = timings.spread(mode)
-        rates[mode] = rate_spread(tokens, seconds)
         rows.append(
             dict(
                 mode=mode + suffix,
@@ -138,4 +123,4 @@ def free_and_constrained(
                 tokens_per_s=tokens / seconds.median,
             )
         )
-    return rows, ratio_spread(rates["json schema"], rates["free"]), compile_watch.seconds
+    return rows, rate_and_ratio(timings, "json schema", "free")[1], compile_watch.seconds

@@ -7,13 +7,15 @@ varied-output workload.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
-import matplotlib.pyplot as plt
-
 from minivllm.bench.benchmark import MethodResult
-from minivllm.bench.gpu.common import Chapter, Run, medians_and_spreads, result_speedup
-from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.gpu.common import (
+    Chapter,
+    Run,
+    medians_and_spreads,
+    result_speedup,
+    stacked_throughput,
+)
+from minivllm.bench.gpu_results import as_dicts
 from minivllm.bench.measure import Spread
 from minivllm.bench.workloads import throughput_workload, varied_output_workload
 
@@ -55,17 +57,15 @@ def measure_compiled_step(run: Run) -> Chapter:
 
     medians, spreads = medians_and_spreads(dict(batch1=speedups(batch1), varied=speedups(results)))
 
-    fig, axes = plt.subplots(2, 1, figsize=(10, 7), layout="constrained")
-    for ax, rows, workload in ((axes[0], batch1, single), (axes[1], results, varied)):
-        plot_throughput(rows, f"{workload.name}: {workload.description}", ax=ax)
-    fig.suptitle(run.title("Eager against compiled (CUDA graphs on a GPU)"), fontsize=10)
+    what = "Eager against compiled (CUDA graphs on a GPU)"
+    fig = stacked_throughput(run, what, [(batch1, single), (results, varied)], 7)
     return Chapter(
         "11-compiled-step",
         varied,
         fig,
         results,
         dict(
-            batch1=[asdict(r) | {"output_tokens_per_s": r.output_tokens_per_s} for r in batch1],
+            batch1=as_dicts(batch1),
             speedups=medians,
             speedup_spreads=spreads,
         ),

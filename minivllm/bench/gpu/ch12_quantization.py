@@ -12,14 +12,18 @@ refuses falls back to a dequantized copy per call: the reference path).
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict
 
-import matplotlib.pyplot as plt
 import torch
 
 from minivllm.bench.benchmark import MethodResult
-from minivllm.bench.gpu.common import Chapter, Run, medians_and_spreads, result_speedup
-from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.gpu.common import (
+    Chapter,
+    Run,
+    medians_and_spreads,
+    result_speedup,
+    stacked_throughput,
+)
+from minivllm.bench.gpu_results import as_dicts
 from minivllm.bench.measure import Spread
 from minivllm.bench.memory import model_weight_bytes
 from minivllm.bench.roofline import decode_step_cost, measure_memory_bandwidth, weight_bytes
@@ -129,10 +133,9 @@ def measure_quantization(run: Run) -> Chapter:
         dict(batch1=ratios(results), batched=ratios(batched_results))
     )
 
-    fig, axes = plt.subplots(2, 1, figsize=(10, 2.5 + 1.2 * len(methods)), layout="constrained")
-    for ax, rows, workload in ((axes[0], results, single), (axes[1], batched_results, batched)):
-        plot_throughput(rows, f"{workload.name}: {workload.description}", ax=ax, baseline=BASELINE)
-    fig.suptitle(run.title(f"Weight-only quantization, batch 1 and {batch}"), fontsize=10)
+    what = f"Weight-only quantization, batch 1 and {batch}"
+    panels = [(results, single), (batched_results, batched)]
+    fig = stacked_throughput(run, what, panels, 2.5 + 1.2 * len(methods), BASELINE)
     return Chapter(
         "12-quantization",
         single,
@@ -142,7 +145,7 @@ def measure_quantization(run: Run) -> Chapter:
             batched=dict(
                 batch_size=batch,
                 workload=dict(name=batched.name, description=batched.description),
-                results=[as_dict(r) for r in batched_results],
+                results=as_dicts(batched_results),
             ),
             schemes=schemes,
             gguf_skipped=gguf_skipped,
@@ -162,10 +165,6 @@ def measure_quantization(run: Run) -> Chapter:
             int8_fused_max_rows=INT8_FUSED_MAX_ROWS,
         ),
     )
-
-
-def as_dict(result: MethodResult) -> dict:
-    return asdict(result) | {"output_tokens_per_s": result.output_tokens_per_s}
 
 
 def engine_model(ctx, method: str, dtype: torch.dtype):

@@ -6,11 +6,11 @@ over random K/V, chat requests, tensor-parallel sizes, all-reduces between proce
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import matplotlib.pyplot as plt
 import torch
@@ -30,14 +30,16 @@ from minivllm.bench.benchmark import (
     workload_kv_cache_bytes,
     write_json,
 )
-from minivllm.bench.gpu_results import GPU_RESULTS_DIR
+from minivllm.bench.gpu_results import GPU_RESULTS_DIR, plot_throughput
 from minivllm.bench.measure import Spread, Timings, interleaved
 from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig, ModelConfig
+from minivllm.entrypoints.llm import LLM
 from minivllm.executor.multiproc import free_port
 from minivllm.models.llama import LlamaForCausalLM
 from minivllm.models.loader import embedded_model_dir, load_model, load_tokenizer
 from minivllm.models.tiny import make_tiny_model
+from minivllm.sample.sampling_params import SamplingParams
 from minivllm.tokenizer import apply_chat_template
 
 DTYPE = torch.float32
@@ -183,7 +185,7 @@ class Run:
             # CPU an engine takes a default of 2 GiB, zeroed as it is allocated: most of a
             # quick run's time. The same sizing keeps it small.
             block_size = ctx.engine_args.get("block_size", EngineConfig.block_size)
-            budget = workload_kv_cache_bytes(workload, self.model.config, DTYPE, block_size)
+            budget = self.kv_budget(workload, DTYPE, block_size)
             ctx.engine_args.setdefault("kv_cache_memory_bytes", budget)
         repeats = self.sizes.engine_repeats
         results = run_benchmark(
@@ -191,6 +193,15 @@ class Run:
         )
         print(format_table(results))
         return results
+
+    def kv_budget(
+        self, workload: Workload, dtype: torch.dtype = DTYPE, block_size: int | None = None
+    ) -> int:
+        """Bytes of a KV pool that holds every request of `workload` at once: an engine left to
+        itself takes most of a GPU that this process already uses, or 2 GiB of CPU memory,
+        zeroed as it is allocated."""
+        block_size = block_size or EngineConfig.block_size
+        return workload_kv_cache_bytes(workload, self.model.config, dtype, block_size)
 
     def rounds(
         self,
@@ -223,10 +234,17 @@ class Run:
         repeats = self.sizes.engine_repeats
         return self.rounds(runs, repeats, int(repeats > 1), prepare)
 
+    def figure(
+        self, what: str, workload: Workload | None, size: tuple[float, float], *grid: int
+    ) -> tuple[plt.Figure, Any]:
+        """A figure of `grid` (rows, columns) panels, one by default, under `title`'s line."""
+        fig, axes = plt.subplots(*grid, figsize=size, layout="constrained")
+        fig.suptitle(self.title(what, workload), fontsize=10)
+        return fig, axes
+
     def title(self, what: str, workload: Workload | None = None) -> str:
         """A figure title naming the measurement, model, dtype, device and workload."""
-        dtype = str(DTYPE).removeprefix("torch.")
-        line = f"{what} · {self.model_name} · {dtype} · {device_label()}"
+        line = f"{what} · {self.model_name} · {dtype_name(DTYPE)} · {device_label()}"
         if workload is not None:
             line += f"\n{workload.name}: {workload.description}"
         return line
@@ -256,6 +274,11 @@ def chapter_number(key: str) -> int | None:
     return int(key[:2]) if key[:2].isdigit() else None
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16", as the records and method names spell a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def device_slug() -> str:
     """The device's name as a directory name: "NVIDIA H200" -> "nvidia-h200"."""
     return re.sub(r"[^a-z0-9]+", "-", device_label().lower()).strip("-")
@@ -281,10 +304,65 @@ def spread_record(spread: Spread, scale: float = 1.0) -> dict[str, float]:
 
 def plot_spreads(ax: Axes, xs: list, spreads: list[Spread], scale: float = 1.0, **style) -> None:
     """Medians joined by a line, each with its rounds' range as an error bar (times `scale`)."""
-    medians = [spread.median * scale for spread in spreads]
-    below = [median - spread.low * scale for median, spread in zip(medians, spreads)]
-    above = [spread.high * scale - median for median, spread in zip(medians, spreads)]
-    ax.errorbar(xs, medians, yerr=[below, above], fmt="o-", capsize=3, **style)
+    records = [spread_record(spread, scale) for spread in spreads]
+    medians = [record["median"] for record in records]
+    ax.errorbar(xs, medians, yerr=error_bars(records), fmt="o-", capsize=3, **style)
+
+
+def stacked_throughput(
+    run: Run,
+    what: str,
+    panels: list[tuple[list[MethodResult], Workload]],
+    height: float,
+    baseline: str | None = None,
+) -> plt.Figure:
+    """One panel of output tokens/s bars per (results, workload), stacked."""
+    fig, axes = run.figure(what, None, (10, height), len(panels), 1)
+    for ax, (results, workload) in zip(axes, panels):
+        title = f"{workload.name}: {workload.description}"
+        plot_throughput(results, title, ax=ax, baseline=baseline)
+    return fig
+
+
+def plot_rows(
+    ax: Axes, rows: list[dict], x: str, y: str, fmt: str = "o-", scale: float = 1.0, **style
+) -> None:
+    """Each row's `y` (times `scale`) against its `x`."""
+    ax.plot([row[x] for row in rows], [row[y] * scale for row in rows], fmt, **style)
+
+
+def error_bars(records: list[dict[str, float]]) -> list[list[float]]:
+    """The rounds' range about each median of `spread_record`s, as matplotlib's yerr."""
+    below = [record["median"] - record["low"] for record in records]
+    return [below, [record["high"] - record["median"] for record in records]]
+
+
+def style(
+    ax: Axes,
+    xlabel: str,
+    ylabel: str,
+    title: str | None = None,
+    log2_ticks: Sequence | None = None,
+    log_y: bool = False,
+    legend: int | None = None,
+    grid: str | None = "both",
+) -> None:
+    """What the panels set alike: the axes' labels, a title, a log2 x axis ticked at
+    `log2_ticks`, a log y axis, a legend in `legend`-point type, a light grid (on `grid`:
+    "both", "x" or "y"; None: none)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title is not None:
+        ax.set_title(title, fontsize=9)
+    if log2_ticks is not None:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(log2_ticks), [str(tick) for tick in log2_ticks])
+    if log_y:
+        ax.set_yscale("log")
+    if legend:
+        ax.legend(fontsize=legend)
+    if grid:
+        ax.grid(axis=grid, alpha=0.3)
 
 
 def rate_spread(tokens: float, seconds: Spread) -> Spread:
@@ -317,6 +395,29 @@ def medians_and_spreads(
     return medians, records
 
 
+def generate_tokens(
+    llm: LLM, prompts: list[dict], params: SamplingParams, alone: bool = False
+) -> list[list[int]]:
+    """Each request's tokens, all submitted at once or, `alone`, each run by itself (batch 1).
+    `generate` returns tokens on the host: the device is done when it returns."""
+    batches = [[prompt] for prompt in prompts] if alone else [prompts]
+    return [
+        list(output.outputs[0].token_ids)
+        for batch in batches
+        for output in llm.generate(batch, params, use_tqdm=False)
+    ]
+
+
+def rate_and_ratio(timings: Timings, method: str, baseline: str) -> tuple[Spread, Spread]:
+    """`method`'s output tokens per second (its calls return their tokens), and its rate over
+    `baseline`'s, both round by round (greedy: the same tokens every round)."""
+    rates = {
+        name: rate_spread(sum(map(len, timings.results[name])), timings.spread(name))
+        for name in (method, baseline)
+    }
+    return rates[method], ratio_spread(rates[method], rates[baseline])
+
+
 def save(run: Run, chapter: Chapter, out_dir: Path, seconds: float) -> None:
     """NN-name.json (write_json's record and the chapter's numbers) and NN-name.png."""
     write_json(
@@ -325,7 +426,7 @@ def save(run: Run, chapter: Chapter, out_dir: Path, seconds: float) -> None:
         chapter.results,
         chapter=chapter.number,
         model=run.model_name,
-        dtype=str(DTYPE).removeprefix("torch."),
+        dtype=dtype_name(DTYPE),
         quick=run.quick,
         seconds=seconds,
         **chapter.measured,

@@ -29,7 +29,7 @@ from minivllm.attention import triton_paged
 from minivllm.attention.backend import PagedAttentionBackend, PagedKVCache, get_attention_backend
 from minivllm.attention.torch_paged import TorchPagedAttention
 from minivllm.bench.attention import AttentionStep, one_layer_pool, random_decode_step, random_step
-from minivllm.bench.benchmark import matching_token_share, workload_kv_cache_bytes
+from minivllm.bench.benchmark import matching_token_share
 from minivllm.bench.gpu.common import (
     DTYPE,
     Chapter,
@@ -39,7 +39,6 @@ from minivllm.bench.gpu.common import (
     engine_tensor_parallel_size,
 )
 from minivllm.bench.workloads import Workload
-from minivllm.config import EngineConfig
 from minivllm.entrypoints.llm import LLM
 from minivllm.sample.sampling_params import SamplingParams
 
@@ -120,7 +119,7 @@ def measure_smoke(run: Run) -> Chapter:
         f"{len(prompts)} chat requests, {output} new tokens each, greedy; one decode step and "
         "one prefill chunk of random attention inputs",
     )
-    budget = workload_kv_cache_bytes(workload, run.model.config, DTYPE, EngineConfig.block_size)
+    budget = run.kv_budget(workload)
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     smoke = Smoke(run, prompts, params, budget)
 
