@@ -239,6 +239,7 @@ def acceptance_per_position(before: dict, after: dict, k: int) -> list[float]:
 
 
 def read_counters(readings: dict, method: str, llm: LLM) -> None:
+    """Keep the engine's counters as they stand before its next pass (untimed)."""
     readings[method] = spec_counters(llm)
 
 

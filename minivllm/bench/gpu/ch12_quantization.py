@@ -167,7 +167,7 @@ def measure_quantization(run: Run) -> Chapter:
     )
 
 
-def engine_model(ctx, method: str, dtype: torch.dtype):
+def engine_model(ctx, method: str, dtype: torch.dtype) -> torch.nn.Module:
     """The model inside the engine `run_benchmark` built for `method` (kept in the context
     of its dtype, under its name and setting)."""
     name = method.partition("@")[0]
