@@ -302,11 +302,11 @@ def spread_record(spread: Spread, scale: float = 1.0) -> dict[str, float]:
     return dict(median=spread.median * scale, low=spread.low * scale, high=spread.high * scale)
 
 
-def plot_spreads(ax: Axes, xs: list, spreads: list[Spread], scale: float = 1.0, **style) -> None:
+def plot_spreads(ax: Axes, xs: list, spreads: list[Spread], scale: float = 1.0, **look) -> None:
     """Medians joined by a line, each with its rounds' range as an error bar (times `scale`)."""
     records = [spread_record(spread, scale) for spread in spreads]
     medians = [record["median"] for record in records]
-    ax.errorbar(xs, medians, yerr=error_bars(records), fmt="o-", capsize=3, **style)
+    ax.errorbar(xs, medians, yerr=error_bars(records), fmt="o-", capsize=3, **look)
 
 
 def stacked_throughput(
@@ -325,10 +325,10 @@ def stacked_throughput(
 
 
 def plot_rows(
-    ax: Axes, rows: list[dict], x: str, y: str, fmt: str = "o-", scale: float = 1.0, **style
+    ax: Axes, rows: list[dict], x: str, y: str, fmt: str = "o-", scale: float = 1.0, **look
 ) -> None:
     """Each row's `y` (times `scale`) against its `x`."""
-    ax.plot([row[x] for row in rows], [row[y] * scale for row in rows], fmt, **style)
+    ax.plot([row[x] for row in rows], [row[y] * scale for row in rows], fmt, **look)
 
 
 def error_bars(records: list[dict[str, float]]) -> list[list[float]]:
