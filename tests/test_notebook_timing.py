@@ -14,11 +14,6 @@ import pytest
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
-# Notebook 11 (the cost of a step) still times with clocks of its own: it is not yet converted
-# to the harness, and is converted on its own. Remove it from this set then, so that the test
-# covers every notebook.
-NOT_YET_CONVERTED = {"11-the-cost-of-a-step"}
-
 CLOCKS = {
     "perf_counter",
     "perf_counter_ns",
@@ -71,19 +66,12 @@ def code_cells(path: Path) -> list[str]:
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_no_notebook_times_with_a_clock_of_its_own(path):
-    if path.stem in NOT_YET_CONVERTED:
-        pytest.skip(f"{path.stem} is not yet converted to bench/measure.py")
     found = [(number, place) for number, source in enumerate(code_cells(path))
              for place in own_timings(source)]  # fmt: skip
     assert not found, (
         f"{path.name} times with its own clock (code cell, place): {found}; use"
         " bench/measure.py's interleaved (comparisons) or stopwatch (one-off events)"
     )
-
-
-def test_the_notebooks_not_yet_converted_still_exist():
-    """An exemption for a notebook that was renamed or removed would silently cover nothing."""
-    assert NOT_YET_CONVERTED <= {path.stem for path in NOTEBOOKS}
 
 
 @pytest.mark.parametrize(
