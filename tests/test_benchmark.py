@@ -322,3 +322,18 @@ def test_long_context_workload_fills_2k_to_8k_tokens_per_request(tokenizer):
     assert contexts[0] == 2048 and contexts[-1] == 8192
     gaps = [b - a for a, b in zip(contexts, contexts[1:])]
     assert max(gaps) - min(gaps) <= 1
+
+
+def test_the_bench_command_runs_its_methods_in_rounds(tiny_model_dirs, capsys):
+    """`minivllm bench --repeats 2 --warmups 1`: the table gives each method's median and range
+    over two rounds and says the methods were interleaved."""
+    from minivllm.entrypoints.cli import main
+
+    main(
+        ["bench", "--model", str(tiny_model_dirs["llama"]), "--methods", "engine,static",
+         "--num-requests", "2", "--output-len", "2", "--repeats", "2", "--warmups", "1",
+         "--enforce-eager"]
+    )  # fmt: skip
+    table = capsys.readouterr().out
+    assert "2 rounds, methods interleaved: median (range)" in table
+    assert all(label in table for label in ("paged continuous batching", "static"))
