@@ -127,15 +127,6 @@ def attention_step_timings(
     return interleaved(runs, repeats, warmups, synchronize=lambda: synchronize(device))
 
 
-def attention_step_seconds(
-    backend_name: str, pool: PagedKVCache, step: AttentionStep, num_layers: int, repeats: int
-) -> float:
-    """Seconds of one step's attention on `backend_name`: the median of `repeats` rounds of
-    `attention_step_timings`."""
-    timings = attention_step_timings([backend_name], pool, step, num_layers, repeats)
-    return timings.spread(backend_name).median
-
-
 def decode_attention_timings(
     config: ModelConfig,
     backends: list[str],
@@ -159,25 +150,4 @@ def decode_attention_timings(
         )
         for num_seqs in batches
         for context_len in contexts
-    }
-
-
-def sweep_decode_attention(
-    config: ModelConfig,
-    backends: list[str],
-    batches: list[int],
-    contexts: list[int],
-    dtype: torch.dtype,
-    device: torch.device | str,
-    repeats: int = 3,
-    block_size: int = 16,
-) -> dict[str, dict[tuple[int, int], float]]:
-    """backend -> (batch, context) -> seconds of one decode step's attention, all layers: the
-    median of `decode_attention_timings`' rounds."""
-    timings = decode_attention_timings(
-        config, backends, batches, contexts, dtype, device, repeats, block_size
-    )
-    return {
-        name: {case: timed.spread(name).median for case, timed in timings.items()}
-        for name in backends
     }

@@ -659,18 +659,6 @@ def _measure_matmul_peak(dtype: torch.dtype, device: torch.device | str, size: i
     return 2 * size**3 / min(timings.spread(name).median for name in products)
 
 
-def best_time(
-    product: Callable[[], torch.Tensor], device: torch.device | str, repeats: int = 6
-) -> float:
-    """Seconds of the fastest of `repeats` calls of one product, through `bench/measure.py`'s
-    rounds (no warm-up round: the first call warms up and the fastest is kept). The GPU
-    chapters' benches still time their steps this way; a comparison takes medians instead."""
-    timings = interleaved(
-        {"product": product}, repeats, warmups=0, synchronize=lambda: synchronize(device)
-    )
-    return timings.spread("product").low
-
-
 def synchronize(device: torch.device | str) -> None:
     """Wait for a GPU's queued work (nothing to wait for on a CPU)."""
     if torch.device(device).type == "cuda":
