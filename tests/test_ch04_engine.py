@@ -25,8 +25,11 @@ from hypothesis import strategies as st
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
-from minivllm.core.scheduler import SpecDecodeStats
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.request import Request, RequestStatus
+from minivllm.core.scheduler import Scheduler, SchedulerConfig, SpecDecodeStats
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.outputs import ModelRunnerOutput
 
 ENGINE_FAMILY = ENGINE_TEST_FAMILY
 VOCAB_SIZE = 49152  # the embedded tokenizer's, shared by the tiny models
@@ -336,6 +339,34 @@ def test_fcfs_preempts_the_newest_running_request(tiny_dir, tiny_greedy):
     assert sequences["old"].num_preemptions == 0 and sequences["new"].num_preemptions > 0
     for rid, prompt in prompts.items():
         assert finished[rid].outputs[0].token_ids == tiny_greedy(prompt, 20)
+
+
+def test_fcfs_preempts_from_the_newest_back_and_requeues_them_in_order():
+    """Three running requests of one block each in a pool of three, all growing into a second
+    block: the newest (c) goes first, then b, which is then the newest left, so a alone
+    runs on; both wait at the front of the queue, in their first order, marked waiting, each
+    preempted once. (The scheduler alone, with a runner that samples token 7.)"""
+    scheduler = Scheduler(SchedulerConfig(), KVCacheManager(num_blocks=3, block_size=4))
+    params = SamplingParams(max_tokens=8, detokenize=False)
+    requests = {
+        rid: Request.create(rid, None, [1, 2, 3, 4], params, None, (0,), max_model_len=64)
+        for rid in "abc"
+    }
+    for request in requests.values():
+        scheduler.add_request(request)
+    prefill = scheduler.schedule()
+    assert list(prefill.num_scheduled_tokens) == ["a", "b", "c"]
+    scheduler.update_from_output(prefill, ModelRunnerOutput({rid: [7] for rid in "abc"}))
+
+    decode = scheduler.schedule()
+
+    assert decode.preempted_req_ids == ["c", "b"]
+    assert list(decode.num_scheduled_tokens) == ["a"]
+    assert [r.request_id for r in scheduler.waiting] == ["b", "c"]
+    for rid in "bc":
+        assert requests[rid].status == RequestStatus.WAITING
+        assert requests[rid].num_preemptions == 1
+    assert requests["a"].num_preemptions == 0 and scheduler.num_preemptions == 2
 
 
 def test_priority_policy_preempts_the_lowest_priority(tiny_dir, tiny_greedy):
