@@ -366,6 +366,7 @@ def test_fcfs_preempts_from_the_newest_back_and_requeues_them_in_order():
     for rid in "bc":
         assert requests[rid].status == RequestStatus.WAITING
         assert requests[rid].num_preemptions == 1
+        assert requests[rid].num_computed_tokens == 0  # its K/V are gone with its blocks
     assert requests["a"].num_preemptions == 0 and scheduler.num_preemptions == 2
 
 
