@@ -254,6 +254,38 @@ def test_free_tail_gives_back_the_blocks_past_the_tokens_kept_tail_first():
     manager.check_integrity()
 
 
+def test_check_integrity_names_the_law_that_is_broken():
+    """Each conservation law of the pool, broken on purpose, is reported by name: a table that
+    holds a block twice, a ref count that is not the number of holders, a used block also in
+    the free queue, a free block missing from it, and prefix-cache maps that disagree."""
+    manager = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
+    assert manager.allocate_slots("r", 8)  # blocks 0 and 1
+    manager.check_integrity()
+    pool, cache = manager.pool, manager.prefix_cache
+
+    def broken(message: str) -> None:
+        with pytest.raises(AssertionError) as raised:
+            manager.check_integrity()
+        assert str(raised.value) == message
+
+    manager.block_tables["r"].append(0)
+    broken("r holds a block twice: [0, 1, 0]")
+    manager.block_tables["r"].pop()
+    pool.ref_counts[1] = 2
+    broken("block 1: ref count 2, in 1 block tables")
+    pool.ref_counts[1] = 1
+    pool.free_queue[0] = None
+    broken("block 0: ref count 1 but in the free queue")
+    del pool.free_queue[0]
+    del pool.free_queue[3]
+    broken("block 3: ref count 0 but not in the free queue")
+    pool.free_queue[3] = None
+    cache.block_of_hash[b"h"] = 2
+    broken("the maps differ in size")
+    cache.hash_of_block[2] = b"other"
+    broken("block 2 is found by a hash it is not named by")
+
+
 def test_allocating_more_blocks_than_free_raises():
     """The pool never hands out a block it does not have."""
     pool = BlockPool(3)
