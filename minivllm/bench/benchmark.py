@@ -23,7 +23,7 @@ import torch
 
 from minivllm.baselines.kv_cache import generate_static_batch
 from minivllm.baselines.naive import generate_with_transformers, generate_without_cache
-from minivllm.bench.measure import Spread, interleaved
+from minivllm.bench.measure import Spread, interleaved, ratio_within_rounds
 from minivllm.bench.workloads import Workload
 from minivllm.config import QUANTIZATION_METHODS, EngineConfig, ModelConfig, resolve_dtype
 from minivllm.core.request import Request
@@ -710,9 +710,10 @@ def speedup_of(result: MethodResult, base: MethodResult) -> Spread:
     """How many times faster than `base` (in output tokens per second), round by round where
     both kept their rounds (`bench/measure.py`), else from the two medians."""
     if len(result.round_seconds) == len(base.round_seconds) > 0:
-        scale = result.output_tokens / base.output_tokens  # the same work: 1
-        pairs = zip(base.round_seconds, result.round_seconds)
-        return Spread(tuple(scale * b / s for b, s in pairs))
+        return ratio_within_rounds(
+            [result.output_tokens / s for s in result.round_seconds],
+            [base.output_tokens / s for s in base.round_seconds],
+        )
     return Spread((result.output_tokens_per_s / base.output_tokens_per_s,))
 
 

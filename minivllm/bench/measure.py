@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
@@ -78,8 +78,14 @@ class Timings(Generic[Result]):
     def speedup(self, method: str, baseline: str) -> Spread:
         """The baseline's seconds over the method's, round by round: above 1, the method is
         faster (for the same work)."""
-        pairs = zip(self.seconds[baseline], self.seconds[method], strict=True)
-        return Spread(tuple(base / seconds for base, seconds in pairs))
+        return ratio_within_rounds(self.seconds[baseline], self.seconds[method])
+
+
+def ratio_within_rounds(numerators: Sequence[float], denominators: Sequence[float]) -> Spread:
+    """Each round's numerator over the same round's denominator, so that the machine's drift
+    from round to round cancels; both must have one value per round."""
+    pairs = zip(numerators, denominators, strict=True)
+    return Spread(tuple(a / b for a, b in pairs))
 
 
 def interleaved(

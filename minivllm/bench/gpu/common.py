@@ -31,7 +31,7 @@ from minivllm.bench.benchmark import (
     write_json,
 )
 from minivllm.bench.gpu_results import GPU_RESULTS_DIR, plot_throughput
-from minivllm.bench.measure import Spread, Timings, interleaved
+from minivllm.bench.measure import Spread, Timings, interleaved, ratio_within_rounds
 from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.entrypoints.llm import LLM
@@ -373,8 +373,7 @@ def rate_spread(tokens: float, seconds: Spread) -> Spread:
 def ratio_spread(numerators: Spread, denominators: Spread) -> Spread:
     """A ratio taken within each round (the same round's values over each other), so that the
     machine's drift from round to round cancels."""
-    pairs = zip(numerators.values, denominators.values, strict=True)
-    return Spread(tuple(a / b for a, b in pairs))
+    return ratio_within_rounds(numerators.values, denominators.values)
 
 
 def result_speedup(results: list[MethodResult], method: str, baseline: str) -> Spread:
