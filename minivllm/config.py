@@ -180,15 +180,18 @@ class ModelConfig:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """ "auto" means CUDA when a GPU is present, else the CPU."""
-    if isinstance(device, torch.device):
-        return device
+    """ "auto" means CUDA when a GPU is present, else the CPU. A CUDA device always comes back
+    with its index ("cuda" is the current device, cuda:0 unless set otherwise): binding a
+    process to a device (`torch.cuda.set_device`) refuses one without."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        return torch.device(device)
+        device = torch.device(device)
     except RuntimeError as error:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from error
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 _DTYPES = {

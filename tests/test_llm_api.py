@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import CHAT_MESSAGES, EOS_TOKEN_ID
 
 from minivllm import LLM, CompletionOutput, RequestOutput, SamplingParams
 from minivllm.baselines.naive import generate_with_transformers
+from minivllm.config import resolve_device
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
@@ -227,3 +229,18 @@ def test_tour_runs_every_chapter_and_they_agree(capsys, tiny_model_dirs):
         assert result.label in printed
         assert result.same_tokens_as_first == 1.0
         assert result.output_tokens == 4 * 16
+
+
+def test_a_cuda_device_resolves_to_an_indexed_one(monkeypatch):
+    """`device="cuda"` (and "auto" on a GPU machine) names the current CUDA device by its index:
+    the worker binds its process with `torch.cuda.set_device`, which refuses an unindexed
+    device. An explicit index is kept; the CPU stays the CPU."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("auto") == torch.device("cuda", 3)
+    assert resolve_device(torch.device("cuda")) == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device must be"):
+        resolve_device("gpu")

@@ -34,6 +34,7 @@ logits the token was actually chosen from; the "_logits" variants report the log
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -462,9 +463,17 @@ def _param_tensor(
 def _token_counts(
     token_ids_per_row: list[list[int]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
-    """[rows, vocab] float tensor: how often each token id occurs in each row's list."""
-    counts = [
-        torch.bincount(torch.tensor(ids, dtype=torch.long), minlength=vocab_size)[:vocab_size]
-        for ids in token_ids_per_row
-    ]
-    return torch.stack(counts).to(device, torch.float32)
+    """[rows, vocab] float tensor: how often each token id occurs in each row's list.
+
+    One bincount for the whole batch, on the device: row r's token t is counted at r * vocab + t.
+    (A bincount per row on the host, stacked, would move rows x vocab counts to the GPU: 100 MB
+    for 256 rows of a 49k vocabulary.) Ids past the logits' vocabulary have no logit to
+    penalise and are left out."""
+    num_rows = len(token_ids_per_row)
+    lengths = torch.tensor([len(ids) for ids in token_ids_per_row])
+    ids = torch.tensor(list(itertools.chain.from_iterable(token_ids_per_row)), dtype=torch.long)
+    rows = torch.repeat_interleave(torch.arange(num_rows), lengths)
+    in_vocab = ids < vocab_size
+    flat_index = (rows * vocab_size + ids)[in_vocab].to(device)
+    counts = torch.bincount(flat_index, minlength=num_rows * vocab_size)
+    return counts.view(num_rows, vocab_size).float()
