@@ -100,9 +100,11 @@ class Sizes:
     engine_repeats: int
 
 
-# Every size twice: (a full run on a GPU, a quick run). The full sizes take about three minutes
-# on an H200 by an estimate of eager PyTorch's per-step cost there, not yet a measurement: the
-# JSON records each chapter's seconds. The quick ones run every chapter in seconds on a CPU.
+# Every size twice: (a full run on a GPU, a quick run). The quick ones run every chapter in
+# seconds on a CPU. The full ones take much longer than three minutes on an H200 where eager
+# PyTorch spends ~25 ms on a batch-1 decode step of the 135M model (launches, not arithmetic):
+# one such machine measured the smoke in 88 s and chapter 01 in 112 s, and chapter 02 was still
+# running after 170 s. The JSON records each chapter's seconds.
 _SIZES = dict(
     logit_prompts=(8, 3),
     logit_prompt_lengths=((20, 1000), (20, 120)),
