@@ -109,9 +109,15 @@ class VLLMPeer:
         tuned: bool,
         max_model_len: int,
         enable_prefix_caching: bool,
+        in_process: bool = False,
     ):
+        """`in_process` runs vLLM's engine core in the peer's own process instead of a child
+        of it (VLLM_ENABLE_V1_MULTIPROCESSING=0), as `profile` needs: torch.profiler sees only
+        its own process. Benchmarks keep vLLM's default, the child."""
         python = find_vllm_python()
         env = os.environ | (vllm_tuned_env(python) if tuned else KV_CACHE_ENV)
+        if in_process:
+            env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         # vLLM reads only what the run gives it: no hub, and not our compile switch.
         env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-peer-", suffix=".log")
@@ -140,7 +146,8 @@ class VLLMPeer:
         return self._generate(prompts, output_lengths, reset_prefix_cache)["token_ids"]
 
     def profile(self, prompts: list[list[int]], output_lengths: list[int]) -> dict[str, float]:
-        """`generate` under torch.profiler in the peer: self CPU seconds of every operator."""
+        """`generate` under torch.profiler in the peer: self CPU seconds of every operator
+        (of the engine's model too only when the peer runs `in_process`)."""
         return self._generate(prompts, output_lengths, True, profile=True)["self_seconds"]
 
     def _generate(self, prompts, output_lengths, reset_prefix_cache, profile=False) -> dict:
