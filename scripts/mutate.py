@@ -111,10 +111,6 @@ _STRICT_ZIP = (
     " lengths, so the check never fires"
 )
 _LOW_INCLUSIVE = "low_inclusive=False -> None: both are false, the same bound (> 0)"
-_INT_COUNTS = (
-    "the token counts left as int64 instead of float32: frequency * counts and counts > 0 give"
-    " the same float32 logits (counts are small integers, exact in either)"
-)
 _IN_RANGE = (
     "a bound of the levels' clamp dropped: round(w / scale) is within them by construction"
     " (the largest |w| or the group's range is the scale times 127 or 15, rounding absorbs the"
@@ -185,8 +181,11 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.sample.sampler.x__exponentials__mutmut_7": _DEVICE,
     "minivllm.sample.sampler.x__param_tensor__mutmut_3": _DEVICE,
     "minivllm.sample.sampler.x__param_tensor__mutmut_6": _DEVICE,
-    "minivllm.sample.sampler.x__token_counts__mutmut_10": _DEVICE,
-    "minivllm.sample.sampler.x__token_counts__mutmut_12": _DEVICE,
+    "minivllm.sample.sampler.x__token_counts__mutmut_20": _DEVICE,
+    "minivllm.sample.sampler.x__token_counts__mutmut_14": (
+        "repeat_interleave(arange(n), lengths) -> repeat_interleave(lengths): the one-argument"
+        " form is defined as exactly that (each index repeated its count of times)"
+    ),
     "minivllm.sample.sampler.x_apply_penalties__mutmut_2": _SAME_AXIS,
     "minivllm.sample.sampler.x_ban_tokens__mutmut_20": _SAME_AXIS,
     "minivllm.sample.sampler.x_sanitize_logits__mutmut_16": _SAME_AXIS,
@@ -260,8 +259,6 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.sample.sampler.xǁSamplerǁlogprobs__mutmut_15": _DEVICE,
     "minivllm.sample.sampler.x_prompt_token_logprobs__mutmut_3": _DEVICE,
     "minivllm.sample.sampler.x_prompt_token_logprobs__mutmut_5": _DEVICE,
-    "minivllm.sample.sampler.x__token_counts__mutmut_11": _INT_COUNTS,
-    "minivllm.sample.sampler.x__token_counts__mutmut_13": _INT_COUNTS,
     "minivllm.models.quantization.x_quantize_int8__mutmut_16": _IN_RANGE,
     "minivllm.models.quantization.x_quantize_int8__mutmut_17": _IN_RANGE,
     "minivllm.models.quantization.x_quantize_int8__mutmut_19": _IN_RANGE,

@@ -21,7 +21,7 @@ from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty, chat_prompt_ids
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.structured_output.manager import StructuredOutputManager
+from minivllm.structured_output.manager import StructuredOutputManager, parse_grammar
 
 PERSON = {
     "type": "object",
@@ -415,3 +415,32 @@ def test_a_kept_forbidden_draft_gets_the_mask_that_forbids_it(tokenizer):
     assert grammar.token_bitmasks([]).equal(before)
     for token in digits[:3] + [dash]:  # the emitted tokens still walk the grammar
         assert grammar.accept(token)
+
+
+# --- grammars that match nothing (structured_output/emptiness.py) -----------------------------
+
+# EBNF grammar -> whether it matches some finite string
+GRAMMARS = {
+    "root ::= root": False,
+    'root ::= "a" root': False,
+    "root ::= x\nx ::= y\ny ::= x": False,
+    'root ::= ("a" | root) root': False,
+    'root ::= x+\nx ::= "q" x': False,
+    'root ::= x{2,3}\nx ::= "q" x': False,
+    'root ::= "a" root | "b"': True,
+    'root ::= x*\nx ::= "q" x': True,
+    'root ::= x{0,3}\nx ::= "q" x': True,
+    'root ::= x\nx ::= "a" | x x': True,
+    'root ::= [a-z]* "b"': True,
+    'root ::= ""': True,
+}
+
+
+@pytest.mark.parametrize("grammar", GRAMMARS)
+def test_a_grammar_that_matches_no_finite_string_is_refused(grammar):
+    spec = StructuredOutputsParams(grammar=grammar)
+    if GRAMMARS[grammar]:
+        parse_grammar(spec)
+    else:
+        with pytest.raises(ValueError, match="matches no finite string"):
+            parse_grammar(spec)
