@@ -16,12 +16,19 @@ import threading
 
 import jsonschema
 import pytest
+import torch
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty, chat_prompt_ids
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minivllm import LLM, SamplingParams, StructuredOutputsParams
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.structured_output.manager import StructuredOutputManager, parse_grammar
+from minivllm.structured_output.manager import (
+    StructuredOutputManager,
+    apply_token_bitmasks,
+    parse_grammar,
+)
 
 PERSON = {
     "type": "object",
@@ -444,3 +451,47 @@ def test_a_grammar_that_matches_no_finite_string_is_refused(grammar):
     else:
         with pytest.raises(ValueError, match="matches no finite string"):
             parse_grammar(spec)
+
+
+# --- the bitmask format (apply_token_bitmasks) ---------------------------------------------------
+
+
+def test_bit_j_of_word_w_allows_token_32w_plus_j():
+    """Row 1 of three allows tokens 0, 31 (the sign bit of word 0, a negative int32) and 33; the
+    vocabulary of 40 ends inside word 1, whose set bits 8..15 (tokens 40..47) are ignored. The
+    rows not named keep their logits."""
+    vocab_size = 40
+    logits = torch.arange(3 * vocab_size, dtype=torch.float32).view(3, vocab_size)
+    before = logits.clone()
+    word0 = (1 << 0) | (1 << 31)
+    word1 = (1 << 1) | (0xFF << 8)
+    bitmask = torch.tensor([[word0 - (1 << 32), word1]], dtype=torch.int32)
+
+    apply_token_bitmasks(logits, [1], bitmask)
+
+    allowed = [t for t in range(vocab_size) if not torch.isneginf(logits[1, t])]
+    assert allowed == [0, 31, 33]
+    assert logits[1, allowed].tolist() == before[1, allowed].tolist()
+    assert torch.equal(logits[[0, 2]], before[[0, 2]])
+
+
+@given(
+    vocab_size=st.integers(1, 100),
+    data=st.data(),
+)
+def test_apply_token_bitmasks_matches_the_bits_one_by_one(vocab_size, data):
+    """Random masks on a random choice of rows agree with reading each token's bit by hand."""
+    num_rows = data.draw(st.integers(1, 4))
+    rows = data.draw(st.lists(st.integers(0, num_rows - 1), unique=True, min_size=1))
+    words = (vocab_size + 31) // 32
+    int32 = st.integers(-(2**31), 2**31 - 1)
+    masks = [data.draw(st.lists(int32, min_size=words, max_size=words)) for _ in rows]
+    logits = torch.zeros(num_rows, vocab_size)
+
+    apply_token_bitmasks(logits, rows, torch.tensor(masks, dtype=torch.int32))
+
+    for row in range(num_rows):
+        mask = masks[rows.index(row)] if row in rows else None
+        for token in range(vocab_size):
+            allowed = mask is None or (mask[token // 32] % 2**32) >> (token % 32) & 1
+            assert torch.isneginf(logits[row, token]).item() == (not allowed), (row, token)
