@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
@@ -27,7 +28,9 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.structured_output.manager import (
     StructuredOutputManager,
     apply_token_bitmasks,
+    compile_failure,
     parse_grammar,
+    plain,
 )
 
 PERSON = {
@@ -495,3 +498,25 @@ def test_apply_token_bitmasks_matches_the_bits_one_by_one(vocab_size, data):
         for token in range(vocab_size):
             allowed = mask is None or (mask[token // 32] % 2**32) >> (token % 32) & 1
             assert torch.isneginf(logits[row, token]).item() == (not allowed), (row, token)
+
+
+# --- compile errors as a user reads them -----------------------------------------------------------
+
+
+def test_an_xgrammar_error_is_its_last_line_without_the_log_prefix():
+    """xgrammar prefixes its messages with "[time] file.cc:line: " and may add lines of
+    context before the last one; a message of nothing is named by its type."""
+    error = RuntimeError("context line\n[10:00:02] grammar_parser.cc:123: Expect ::= at line 1\n")
+    assert plain(error) == "Expect ::= at line 1"
+    assert plain(ValueError("no prefix here")) == "no prefix here"
+    assert plain(KeyError()) == "KeyError"
+
+
+def test_a_finished_compile_says_why_it_failed_or_nothing():
+    succeeded, failed, cancelled = Future(), Future(), Future()
+    succeeded.set_result(object())
+    failed.set_exception(RuntimeError("[1:2:3] compiler.cc:9: bad rule"))
+    cancelled.cancel()
+    assert compile_failure(succeeded) is None
+    assert compile_failure(failed) == "the grammar failed to compile: bad rule"
+    assert compile_failure(cancelled) == "the grammar's compile was cancelled"
