@@ -245,7 +245,8 @@ def _run_without_cache(ctx: BenchmarkContext, workload: Workload) -> list[list[i
     ]
 
 
-def _greedy_params(workload: Workload) -> list[SamplingParams]:
+def greedy_params(workload: Workload) -> list[SamplingParams]:
+    """Each request's sampling: greedy, exactly its output length (EOS ignored)."""
     return [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         for n in workload.output_lengths
@@ -263,7 +264,7 @@ def greedy_requests(ctx: BenchmarkContext, workload: Workload) -> list[Request]:
             eos_token_ids=(),
             max_model_len=ctx.model.config.max_model_len,
         )
-        for i, (prompt, params) in enumerate(zip(workload.prompts, _greedy_params(workload)))
+        for i, (prompt, params) in enumerate(zip(workload.prompts, greedy_params(workload)))
     ]
 
 
@@ -310,7 +311,7 @@ def _engine_method(name: str, label: str, chapter: int, **engine_args) -> Method
 
     def run(ctx: BenchmarkContext, workload: Workload) -> MethodOutput:
         llm = ctx.engines[engine_key(ctx)]
-        params = _greedy_params(workload)
+        params = greedy_params(workload)
         outputs = []
         for wave in workload.waves():
             prompts = [{"prompt_token_ids": workload.prompts[i]} for i in wave]
