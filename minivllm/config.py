@@ -181,8 +181,9 @@ class ModelConfig:
 
 def resolve_device(device: str | torch.device) -> torch.device:
     """ "auto" means CUDA when a GPU is present, else the CPU. A CUDA device always comes back
-    with its index ("cuda" is the current device, cuda:0 unless set otherwise): binding a
-    process to a device (`torch.cuda.set_device`) refuses one without."""
+    with its index ("cuda" is the current device, cuda:0 unless set otherwise; cuda:0 on a
+    machine without CUDA, where asking for the current one would fail): binding a process to a
+    device (`torch.cuda.set_device`) refuses one without."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
@@ -190,7 +191,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
     except RuntimeError as error:
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {device!r}") from error
     if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+        current = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        device = torch.device("cuda", current)
     return device
 
 
