@@ -24,8 +24,7 @@ from minivllm.attention.backend import (
     get_attention_backend,
     slot_mapping,
 )
-from minivllm.bench.benchmark import synchronize
-from minivllm.bench.measure import Timings, interleaved
+from minivllm.bench.measure import Timings, interleaved, synchronize
 from minivllm.config import ModelConfig
 from minivllm.utils import cdiv
 

@@ -23,7 +23,8 @@ import torch
 
 from minivllm.baselines.kv_cache import generate_static_batch
 from minivllm.baselines.naive import generate_with_transformers, generate_without_cache
-from minivllm.bench.measure import Spread, interleaved, ratio_within_rounds
+from minivllm.bench.measure import Spread, interleaved, ratio_within_rounds, synchronize
+from minivllm.bench.roofline import weight_count
 from minivllm.bench.workloads import Workload
 from minivllm.config import QUANTIZATION_METHODS, EngineConfig, ModelConfig, resolve_dtype
 from minivllm.core.request import Request
@@ -157,10 +158,6 @@ class MethodResult:
         return self.output_tokens / self.seconds
 
     @property
-    def requests_per_s(self) -> float:
-        return self.num_requests / self.seconds
-
-    @property
     def mfu(self) -> float | None:
         """Model-FLOPs utilisation: the FLOPs computed per second over the matmul peak. Tokens
         the prefix cache served are not computed, so they do not count; it cannot exceed 1."""
@@ -168,16 +165,15 @@ class MethodResult:
             return None
         return self.model_flops / self.seconds / self.matmul_peak_flops
 
-    @property
-    def delivered_flops_per_s(self) -> float:
-        """The workload's FLOPs (cached tokens included) per second: work delivered, which a
-        prefix cache can push past the machine's peak."""
-        return self.workload_flops / self.seconds
 
+def _transformers_method(name: str, label: str, chapter: int, run: Callable) -> Method:
+    """A method of transformers' (its label after "transformers "), its model loaded before
+    the clock starts."""
 
-def _load_transformers(ctx: BenchmarkContext, workload: Workload) -> None:
-    """Load transformers' model before the clock starts."""
-    ctx.hf_model  # noqa: B018 (the property loads it)
+    def load_transformers(ctx: BenchmarkContext, workload: Workload) -> None:
+        ctx.hf_model  # noqa: B018 (the property loads it)
+
+    return Method(name, f"transformers {label}", chapter, run, setup=load_transformers)
 
 
 def _run_transformers_one_at_a_time(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
@@ -390,26 +386,12 @@ def workload_kv_cache_bytes(
 METHODS: dict[str, Method] = {
     m.name: m
     for m in (
-        Method(
-            "hf",
-            "transformers generate, 1 at a time",
-            1,
-            _run_transformers_one_at_a_time,
-            setup=_load_transformers,
+        _transformers_method("hf", "generate, 1 at a time", 1, _run_transformers_one_at_a_time),
+        _transformers_method(
+            "hf-static", "generate, padded batches", 2, _run_transformers_static_batches
         ),
-        Method(
-            "hf-static",
-            "transformers generate, padded batches",
-            2,
-            _run_transformers_static_batches,
-            setup=_load_transformers,
-        ),
-        Method(
-            "hf-cb",
-            "transformers generate_batch (paged)",
-            4,
-            _run_transformers_generate_batch,
-            setup=_load_transformers,
+        _transformers_method(
+            "hf-cb", "generate_batch (paged)", 4, _run_transformers_generate_batch
         ),
         Method("naive", "no-cache loop (ch01)", 1, _run_without_cache),
         Method(
@@ -612,19 +594,15 @@ def model_flops(
     out the work those tokens would have needed: their linear layers and their own queries.
     Later tokens still attend over them, so those pairs count.
     """
+    linear_weights, head_weights = weight_count(config)
     q_size = config.num_heads * config.head_dim
-    kv_size = config.num_kv_heads * config.head_dim
-    hidden = config.hidden_size
-    linear_weights = config.num_layers * (
-        hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * config.intermediate_size
-    )
     attention_per_pair = 4 * q_size * config.num_layers
     cached_lengths = cached_lengths or [0] * len(prompt_lengths)
     flops = 0
     for prompt_length, output_length, cached in zip(prompt_lengths, output_lengths, cached_lengths):
         tokens = prompt_length + output_length - 1
         flops += 2 * linear_weights * (tokens - cached)
-        flops += 2 * hidden * config.vocab_size * output_length
+        flops += 2 * head_weights * output_length
         # Queries at positions cached..tokens-1 meet t + 1 keys each.
         flops += attention_per_pair * (tokens * (tokens + 1) - cached * (cached + 1)) // 2
     return float(flops)
@@ -658,12 +636,6 @@ def _measure_matmul_peak(dtype: torch.dtype, device: torch.device | str, size: i
         products["linear, packed"] = lambda: linear(a, b, packed_weight=packed)
     timings = interleaved(products, repeats=5, synchronize=lambda: synchronize(device))
     return 2 * size**3 / min(timings.spread(name).median for name in products)
-
-
-def synchronize(device: torch.device | str) -> None:
-    """Wait for a GPU's queued work (nothing to wait for on a CPU)."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def format_table(results: list[MethodResult], baseline: str | None = None) -> str:

@@ -30,6 +30,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+import torch
+
 Result = TypeVar("Result")
 
 
@@ -120,6 +122,12 @@ def interleaved(
                 timings.round_results[name].append(result)
             timings.results[name] = result
     return timings
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for a GPU's queued work (nothing to wait for on a CPU)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 MET, NOT_MET, UNDECIDED = "met", "not met", "undecided (within the spread)"

@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.bench.benchmark import synchronize
-from minivllm.bench.measure import interleaved
+from minivllm.bench.measure import interleaved, synchronize
 from minivllm.config import ModelConfig
 from minivllm.models.quantization import INT4_GROUP_SIZE
 

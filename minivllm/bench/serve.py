@@ -207,36 +207,10 @@ def served_model(base_url: str, api_key: str | None = None) -> str:
     return response.json()["data"][0]["id"]
 
 
-def bench_serve(
-    base_url: str,
-    prompts_per_rate: list[list[list[int]]],
-    request_rates: list[float],
-    max_tokens: int = 32,
-    max_seconds: float = 60.0,
-    model: str | None = None,
-    seed: int = 0,
-    api_key: str | None = None,
-    min_completed_share: float = 0.0,
-) -> list[ServeBenchResult]:
-    """Each request rate with prompts of its own, one rate after the other.
-
-    Fresh prompts per rate keep a rate from finding an earlier one's prompts in the server's
-    prefix cache. Rates are run in the order given; once fewer than `min_completed_share` of a
-    rate's requests complete within `max_seconds`, the server is past saturation and the
-    rates after it are not run (their requests would only queue longer)."""
-    return asyncio.run(
-        bench_serve_async(
-            base_url,
-            prompts_per_rate,
-            request_rates,
-            max_tokens,
-            max_seconds,
-            model,
-            seed,
-            api_key,
-            min_completed_share,
-        )
-    )
+def bench_serve(*args, **kwargs) -> list[ServeBenchResult]:
+    """`bench_serve_async` run to its end: the same arguments, for code outside an event
+    loop."""
+    return asyncio.run(bench_serve_async(*args, **kwargs))
 
 
 async def bench_serve_async(
@@ -250,7 +224,13 @@ async def bench_serve_async(
     api_key: str | None = None,
     min_completed_share: float = 0.0,
 ) -> list[ServeBenchResult]:
-    """`bench_serve` for code already inside an event loop (a notebook: `await` it)."""
+    """Each request rate with prompts of its own, one rate after the other (`bench_serve` for
+    code already inside an event loop, as a notebook: `await` it).
+
+    Fresh prompts per rate keep a rate from finding an earlier one's prompts in the server's
+    prefix cache. Rates are run in the order given; once fewer than `min_completed_share` of a
+    rate's requests complete within `max_seconds`, the server is past saturation and the
+    rates after it are not run (their requests would only queue longer)."""
     if len(prompts_per_rate) != len(request_rates):
         raise ValueError(
             f"one list of prompts per request rate: got {len(prompts_per_rate)} lists for "

@@ -48,10 +48,6 @@ class Workload:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(self.output_lengths)
-
 
 def chat_prompt_of_length(tokenizer, length: int, rng: random.Random) -> list[int]:
     """A chat-formatted prompt of exactly `length` tokens (at least the template's own size).
