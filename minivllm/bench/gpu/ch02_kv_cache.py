@@ -24,7 +24,7 @@ from minivllm.bench.gpu.common import (
     time_decode_steps,
 )
 from minivllm.bench.gpu_results import plot_throughput
-from minivllm.bench.workloads import throughput_workload, varied_output_workload
+from minivllm.bench.workloads import throughput_workload
 from minivllm.sample.sampler import Sampler
 
 
@@ -96,9 +96,7 @@ def measure_kv_cache(run: Run) -> Chapter:
 def static_batch_memory(run: Run, ctx: BenchmarkContext) -> dict:
     """Run the varied-output workload as one static batch and compare the KV memory it reserves
     with what its requests need at their final length."""
-    workload = varied_output_workload(
-        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
-    )
+    workload = run.varied_workload()
     stats = generate_static_batch(run.model, greedy_requests(ctx, workload), Sampler())
     final_lengths = [len(p) + n for p, n in zip(workload.prompts, workload.output_lengths)]
     return dict(

@@ -8,14 +8,13 @@ paged decode attention against the block size.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 
 import numpy as np
 import torch
 
-from minivllm.attention.backend import AttentionMetadata, PagedKVCache
 from minivllm.attention.torch_paged import TorchPagedAttention
+from minivllm.bench.attention import one_layer_pool, random_decode_step
 from minivllm.bench.gpu.common import (
     DTYPE,
     Chapter,
@@ -25,11 +24,10 @@ from minivllm.bench.gpu.common import (
     spread_record,
     style,
 )
-from minivllm.bench.workloads import Workload, varied_output_workload
+from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sample.sampling_params import SamplingParams
-from minivllm.utils import cdiv
 
 # What a contiguous cache reserves per request when it cannot know the final length: the
 # longest sequence allowed (the vLLM paper's 2048, or the model's context if shorter).
@@ -52,9 +50,7 @@ def measure_memory_waste(run: Run) -> Chapter:
     sizes interleaved), attention_seconds_spread (each one's {median, low, high}),
     attention_seqs, attention_seq_len.
     """
-    workload = varied_output_workload(
-        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
-    )
+    workload = run.varied_workload()
     max_reservation = min(MAX_RESERVATION, run.model.config.max_model_len)
     per_step = trace_kv_memory(run, workload, max_reservation)
     token_share = {
@@ -156,18 +152,7 @@ def paged_attention_call(run: Run, block_size: int) -> Callable[[], torch.Tensor
     each sequence's blocks scattered at random, one layer of the model's shapes."""
     sizes, config = run.sizes, run.model.config
     num_seqs, seq_len = sizes.attention_seqs, sizes.attention_seq_len
-    per_seq = cdiv(seq_len, block_size)
-    one_layer = replace(config, num_layers=1)
-    pool = PagedKVCache(one_layer, num_seqs * per_seq, block_size, DTYPE, run.device)
-    order = torch.randperm(num_seqs * per_seq, generator=torch.Generator().manual_seed(0)).tolist()
-    tables = [order[i * per_seq : (i + 1) * per_seq] for i in range(num_seqs)]
-    last_slots = [
-        t[(seq_len - 1) // block_size] * block_size + (seq_len - 1) % block_size for t in tables
-    ]
-    metadata = AttentionMetadata.build(
-        [1] * num_seqs, [seq_len] * num_seqs, tables, last_slots, device=run.device
-    )
-    attention = TorchPagedAttention(pool, metadata)
-    q = torch.randn(num_seqs, config.num_heads, config.head_dim, dtype=DTYPE, device=run.device)
-    k = torch.randn(num_seqs, config.num_kv_heads, config.head_dim, dtype=DTYPE, device=run.device)
-    return partial(attention, 0, q, k, k)
+    pool = one_layer_pool(config, num_seqs, seq_len, block_size, DTYPE, run.device)
+    step = random_decode_step(config, pool, num_seqs, seq_len)
+    attention = TorchPagedAttention(pool, step.metadata)
+    return partial(attention, 0, step.q, step.k, step.v)

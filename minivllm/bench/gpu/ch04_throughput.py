@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from minivllm.bench.gpu.common import Chapter, Run
 from minivllm.bench.gpu_results import plot_throughput
-from minivllm.bench.workloads import varied_output_workload
 
 
 def measure_throughput(run: Run) -> Chapter:
@@ -21,9 +20,7 @@ def measure_throughput(run: Run) -> Chapter:
     seats.
     """
     seats = run.sizes.seats
-    workload = varied_output_workload(
-        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
-    )
+    workload = run.varied_workload()
     ctx = run.context(batch_size=seats, engine_args=dict(max_num_seqs=seats))
     methods = [
         f"hf-static:{seats}",

@@ -22,7 +22,6 @@ from minivllm.bench.attention import (
 from minivllm.bench.gpu.common import DTYPE, Chapter, Run, plot_spreads, spread_record, style
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.measure import Timings
-from minivllm.bench.workloads import varied_output_workload
 
 
 def measure_attention_kernels(run: Run) -> Chapter:
@@ -57,9 +56,7 @@ def measure_attention_kernels(run: Run) -> Chapter:
     )
     bandwidth = decode_bandwidth(run) if on_gpu else None
 
-    workload = varied_output_workload(
-        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
-    )
+    workload = run.varied_workload()
     # Triton's interpreter (a quick run without a GPU) runs the kernels above, too slowly for
     # an engine's workload.
     engine_backends = [name for name in backends if on_gpu or name != "triton"]

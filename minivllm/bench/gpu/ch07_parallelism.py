@@ -40,7 +40,7 @@ from minivllm.bench.parallel import (
     ring_link,
 )
 from minivllm.bench.roofline import Machine, measure_memory_bandwidth
-from minivllm.bench.workloads import Workload, varied_output_workload
+from minivllm.bench.workloads import Workload
 from minivllm.config import ModelConfig
 from minivllm.models.loader import load_model
 
@@ -107,9 +107,7 @@ def measure_parallelism(run: Run) -> Chapter:
         tp, tp_skipped = engine_tensor_parallel_size(run, num_gpus)
         methods = ["engine", f"engine:dp={DATA_PARALLEL_SIZE}"]
         methods += [f"engine:tp={tp}"] if tp else []
-        workload = varied_output_workload(
-            run.tokenizer, sizes.varied_requests, output_lengths=sizes.varied_outputs
-        )
+        workload = run.varied_workload()
         results = compare_engines(run, workload, methods)
         if run.device.type == "cuda":  # the engine's replica_device and rank_config
             notes.append(

@@ -7,17 +7,14 @@ varied-output workload.
 
 from __future__ import annotations
 
-from minivllm.bench.benchmark import MethodResult
 from minivllm.bench.gpu.common import (
     Chapter,
     Run,
-    medians_and_spreads,
-    result_speedup,
+    speedup_records,
     stacked_throughput,
 )
 from minivllm.bench.gpu_results import as_dicts
-from minivllm.bench.measure import Spread
-from minivllm.bench.workloads import throughput_workload, varied_output_workload
+from minivllm.bench.workloads import throughput_workload
 
 
 def measure_compiled_step(run: Run) -> Chapter:
@@ -39,23 +36,18 @@ def measure_compiled_step(run: Run) -> Chapter:
         for setting in ("eager", "compiled")
     ]
     single = throughput_workload(run.tokenizer, 1, output_length=run.sizes.single_output)
-    varied = varied_output_workload(
-        run.tokenizer, run.sizes.varied_requests, output_lengths=run.sizes.varied_outputs
-    )
+    varied = run.varied_workload()
     batch1 = run.benchmark(run.context(), single, methods)
     results = run.benchmark(run.context(), varied, methods)
 
-    def speedups(rows: list[MethodResult]) -> dict[str, Spread]:
-        return {
-            dtype.removeprefix("@") or "float32": result_speedup(
-                rows,
-                f"engine-no-prefix-cache:compiled{dtype}",
-                f"engine-no-prefix-cache:eager{dtype}",
-            )
-            for dtype in dtypes
-        }
-
-    medians, spreads = medians_and_spreads(dict(batch1=speedups(batch1), varied=speedups(results)))
+    pairs = {
+        dtype.removeprefix("@") or "float32": (
+            f"engine-no-prefix-cache:compiled{dtype}",
+            f"engine-no-prefix-cache:eager{dtype}",
+        )
+        for dtype in dtypes
+    }
+    medians, spreads = speedup_records(dict(batch1=batch1, varied=results), pairs)
 
     what = "Eager against compiled (CUDA graphs on a GPU)"
     fig = stacked_throughput(run, what, [(batch1, single), (results, varied)], 7)

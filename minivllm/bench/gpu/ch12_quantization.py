@@ -15,16 +15,13 @@ import statistics
 
 import torch
 
-from minivllm.bench.benchmark import MethodResult
 from minivllm.bench.gpu.common import (
     Chapter,
     Run,
-    medians_and_spreads,
-    result_speedup,
+    speedup_records,
     stacked_throughput,
 )
 from minivllm.bench.gpu_results import as_dicts
-from minivllm.bench.measure import Spread
 from minivllm.bench.memory import model_weight_bytes
 from minivllm.bench.roofline import decode_step_cost, measure_memory_bandwidth, weight_bytes
 from minivllm.bench.workloads import Workload, throughput_workload
@@ -126,12 +123,8 @@ def measure_quantization(run: Run) -> Chapter:
                 )
             )
 
-    def ratios(rows: list[MethodResult]) -> dict[str, Spread]:
-        return {scheme: result_speedup(rows, SCHEMES[scheme][0], BASELINE) for scheme in schemes}
-
-    medians, spreads = medians_and_spreads(
-        dict(batch1=ratios(results), batched=ratios(batched_results))
-    )
+    pairs = {scheme: (SCHEMES[scheme][0], BASELINE) for scheme in schemes}
+    medians, spreads = speedup_records(dict(batch1=results, batched=batched_results), pairs)
 
     what = f"Weight-only quantization, batch 1 and {batch}"
     panels = [(results, single), (batched_results, batched)]

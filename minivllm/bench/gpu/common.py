@@ -32,7 +32,7 @@ from minivllm.bench.benchmark import (
 )
 from minivllm.bench.gpu_results import GPU_RESULTS_DIR, plot_throughput
 from minivllm.bench.measure import Spread, Timings, interleaved, ratio_within_rounds
-from minivllm.bench.workloads import Workload
+from minivllm.bench.workloads import Workload, varied_output_workload
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.entrypoints.llm import LLM
 from minivllm.executor.multiproc import free_port
@@ -195,6 +195,13 @@ class Run:
         )
         print(format_table(results))
         return results
+
+    def varied_workload(self) -> Workload:
+        """The varied-output workload at the run's sizes: chapters 02-04's, 06's, 07's, 11's."""
+        sizes = self.sizes
+        return varied_output_workload(
+            self.tokenizer, sizes.varied_requests, output_lengths=sizes.varied_outputs
+        )
 
     def kv_budget(
         self, workload: Workload, dtype: torch.dtype = DTYPE, block_size: int | None = None
@@ -384,11 +391,16 @@ def result_speedup(results: list[MethodResult], method: str, baseline: str) -> S
     return speedup_of(by_name[method], by_name[baseline])
 
 
-def medians_and_spreads(
-    spreads: dict[str, dict[str, Spread]],
+def speedup_records(
+    results: Mapping[str, list[MethodResult]], pairs: Mapping[str, tuple[str, str]]
 ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, dict[str, float]]]]:
-    """Two-level dicts of spreads as a record keeps them: the medians it quotes, and beside
-    them each spread's {median, low, high}."""
+    """Each (method, baseline) of `pairs` compared in each list of `results` (`result_speedup`:
+    round by round), as a record keeps them: results' key -> pair's key -> the median it
+    quotes, and beside them each speedup's {median, low, high}."""
+    spreads = {
+        key: {name: result_speedup(rows, *pair) for name, pair in pairs.items()}
+        for key, rows in results.items()
+    }
     medians = {key: {k: s.median for k, s in inner.items()} for key, inner in spreads.items()}
     records = {
         key: {k: spread_record(s) for k, s in inner.items()} for key, inner in spreads.items()
