@@ -542,17 +542,12 @@ def _parse_method(spec: str, device: torch.device | str) -> tuple[Method, str, t
     name, _, setting = name_and_setting.partition(":")
     if name not in METHODS:
         raise ValueError(f"unknown benchmark method {spec!r}; choose from {list(METHODS)}")
-    dtype = None
-    if dtype_name:
-        try:
-            dtype = resolve_dtype(dtype_name, torch.device(device))
-        except ValueError as error:
-            raise ValueError(f"benchmark method {spec!r}: {error}") from None
-    if name.startswith("engine"):
-        try:
-            engine_overrides(setting)
-        except ValueError as error:
-            raise ValueError(f"benchmark method {spec!r}: {error}") from None
+    try:
+        dtype = resolve_dtype(dtype_name, torch.device(device)) if dtype_name else None
+        if name.startswith("engine"):
+            engine_overrides(setting)  # raises on a setting no engine knows
+    except ValueError as error:
+        raise ValueError(f"benchmark method {spec!r}: {error}") from None
     return METHODS[name], setting, dtype
 
 

@@ -15,16 +15,17 @@ N) and the all-reduces that they add, to say when splitting a model pays off.
 
 from __future__ import annotations
 
-import time
 import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
+from minivllm.bench.measure import interleaved
 from minivllm.bench.roofline import Machine, decode_step_cost
 from minivllm.config import ModelConfig
 from minivllm.distributed.parallel_state import (
@@ -107,14 +108,9 @@ def time_all_reduce(tp: TensorParallelGroup, num_elements: int, repeats: int = 5
     Single calls vary by an order of magnitude (a rank that the OS schedules late holds up the
     others), so the median of many is the number to trust."""
     x = torch.ones(num_elements)
-    for _ in range(5):  # the first calls set up the connections' buffers
-        tp.all_reduce(x)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        tp.all_reduce(x)
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    # Five untimed calls first: they set up the connections' buffers.
+    timings = interleaved({"all_reduce": partial(tp.all_reduce, x)}, repeats, warmups=5)
+    return timings.spread("all_reduce").median
 
 
 def allreduce_bytes_per_token(config: ModelConfig, element_size: int = 4) -> int:

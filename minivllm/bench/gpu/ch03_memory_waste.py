@@ -15,19 +15,11 @@ import torch
 
 from minivllm.attention.torch_paged import TorchPagedAttention
 from minivllm.bench.attention import one_layer_pool, random_decode_step
-from minivllm.bench.gpu.common import (
-    DTYPE,
-    Chapter,
-    MiB,
-    Run,
-    plot_spreads,
-    spread_record,
-    style,
-)
+from minivllm.bench.benchmark import greedy_params
+from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run, plot_spreads, spread_record, style
 from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.sample.sampling_params import SamplingParams
 
 # What a contiguous cache reserves per request when it cannot know the final length: the
 # longest sequence allowed (the vLLM paper's 2048, or the model's context if shorter).
@@ -127,8 +119,7 @@ def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[
         kv_cache_memory_bytes=run.kv_budget(workload, DTYPE, BLOCK_SIZE),
     )
     engine = LLMEngine(config)
-    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lengths)):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    for i, (prompt, params) in enumerate(zip(workload.prompts, greedy_params(workload))):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
     manager = engine.kv_cache_manager
     per_step = {

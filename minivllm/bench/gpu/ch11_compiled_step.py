@@ -7,12 +7,7 @@ varied-output workload.
 
 from __future__ import annotations
 
-from minivllm.bench.gpu.common import (
-    Chapter,
-    Run,
-    speedup_records,
-    stacked_throughput,
-)
+from minivllm.bench.gpu.common import Chapter, Run, speedup_records, stacked_throughput
 from minivllm.bench.gpu_results import as_dicts
 from minivllm.bench.workloads import throughput_workload
 

@@ -15,12 +15,7 @@ import statistics
 
 import torch
 
-from minivllm.bench.gpu.common import (
-    Chapter,
-    Run,
-    speedup_records,
-    stacked_throughput,
-)
+from minivllm.bench.gpu.common import Chapter, Run, speedup_records, stacked_throughput
 from minivllm.bench.gpu_results import as_dicts
 from minivllm.bench.memory import model_weight_bytes
 from minivllm.bench.roofline import decode_step_cost, measure_memory_bandwidth, weight_bytes

@@ -37,6 +37,7 @@ from minivllm.bench.gpu.common import (
     all_reduce_between_processes,
     chat_requests,
     engine_tensor_parallel_size,
+    generate_tokens,
 )
 from minivllm.bench.workloads import Workload
 from minivllm.entrypoints.llm import LLM
@@ -82,8 +83,7 @@ class Smoke:
 
     def generate(self, llm: LLM) -> list[list[int]]:
         """Each prompt's tokens, checked to be as many as asked for (EOS is ignored)."""
-        outputs = llm.generate(self.prompts, self.params, use_tqdm=False)
-        tokens = [list(output.outputs[0].token_ids) for output in outputs]
+        tokens = generate_tokens(llm, self.prompts, self.params)
         if any(len(t) != self.params.max_tokens for t in tokens):
             raise AssertionError(
                 f"asked for {self.params.max_tokens} tokens, got {[len(t) for t in tokens]}"
