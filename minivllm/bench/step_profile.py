@@ -17,9 +17,9 @@ counted where it is launched.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from unittest.mock import patch
 
 import torch
 
@@ -59,21 +59,6 @@ class _Timer:
         return timed
 
 
-@contextmanager
-def _patched(obj, name: str, value) -> Iterator[None]:
-    """obj.name = value for the block (an instance attribute, shadowing the method)."""
-    had_own = name in vars(obj)
-    previous = vars(obj).get(name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if had_own:
-            setattr(obj, name, previous)
-        else:
-            delattr(obj, name)
-
-
 def profile_steps(llm, prompts: list[dict], params) -> StepTimes:
     """Run `prompts` to completion on `llm` (an `LLM` whose engine runs in this process: no
     tensor or data parallelism) and return the time of each phase over all its steps."""
@@ -100,16 +85,18 @@ def profile_steps(llm, prompts: list[dict], params) -> StepTimes:
 
     for request_id, (prompt, request_params) in enumerate(zip(prompts, params)):
         engine.add_request(f"profile-{request_id}", prompt, request_params)
+    # Each patch replaces an attribute of this engine's objects for the run only (an instance
+    # attribute shadowing the method), then puts back what was there.
     with (
-        _patched(scheduler, "schedule", timer.wrap(scheduler.schedule, measured, "schedule")),
-        _patched(runner, "execute_model", timer.wrap(runner.execute_model, measured, "runner")),
-        _patched(runner, "run_forward", timer.wrap(runner.run_forward, measured, "forward")),
-        _patched(
+        patch.object(scheduler, "schedule", timer.wrap(scheduler.schedule, measured, "schedule")),
+        patch.object(runner, "execute_model", timer.wrap(runner.execute_model, measured, "runner")),
+        patch.object(runner, "run_forward", timer.wrap(runner.run_forward, measured, "forward")),
+        patch.object(
             runner.model,
             "compute_logits",
             timer.wrap(runner.model.compute_logits, measured, "logits"),
         ),
-        _patched(runner, "sampler", TimedSampler()),
+        patch.object(runner, "sampler", TimedSampler()),
     ):
         steps = 0
         while engine.has_unfinished_requests():
