@@ -478,11 +478,10 @@ def run_benchmark(
             output = MethodOutput(output)
         outputs = output.token_ids
         cached = output.cached_prompt_tokens
-        computed_flops = workload_flops
-        if cached is not None:
-            computed_flops = model_flops(
-                ctx.model.config, prompt_lengths, workload.output_lengths, cached
-            )
+        # Less the prompt tokens a prefix cache served (None: all computed, the workload's FLOPs).
+        computed_flops = model_flops(
+            ctx.model.config, prompt_lengths, workload.output_lengths, cached
+        )
         first_outputs = first_outputs or outputs
         same = sum(a == b for a, b in zip(outputs, first_outputs)) / workload.num_requests
         results.append(

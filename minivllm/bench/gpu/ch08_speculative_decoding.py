@@ -192,28 +192,20 @@ def speculative_engines(
     )
     budget = run.kv_budget(largest, dtype)
     engine = partial(
-        LLM,
-        run.model_dir,
-        dtype=dtype,
-        device=run.device,
-        kv_cache_memory_bytes=budget,
-        enable_prefix_caching=False,
+        LLM, run.model_dir, dtype=dtype, device=run.device, enable_prefix_caching=False
     )
     suffix = "" if dtype == DTYPE else "@" + dtype_name(dtype)
     engines = {}
     num_layers = run.model.config.num_layers
     for name in names:
-        config = SPECULATIVE.get(name)
-        if config is None:  # plain decoding
-            engines[name + suffix] = engine()
-        elif config["method"] == "layer_skip":
+        config = SPECULATIVE.get(name)  # None: plain decoding
+        pool_bytes = budget
+        if config is not None and config["method"] == "layer_skip":
             # The draft's layers keep K/V of their own: a block costs that much more.
             draft_layers = min(max(1, round(LAYER_SKIP_SHARE * num_layers)), num_layers - 1)
             config = config | {"num_draft_layers": draft_layers}
-            extra = dict(kv_cache_memory_bytes=budget * (num_layers + draft_layers) // num_layers)
-            engines[name + suffix] = engine(speculative_config=config, **extra)
-        else:
-            engines[name + suffix] = engine(speculative_config=config)
+            pool_bytes = budget * (num_layers + draft_layers) // num_layers
+        engines[name + suffix] = engine(speculative_config=config, kv_cache_memory_bytes=pool_bytes)
     return engines
 
 

@@ -51,9 +51,5 @@ def measure_compiled_step(run: Run) -> Chapter:
         varied,
         fig,
         results,
-        dict(
-            batch1=as_dicts(batch1),
-            speedups=medians,
-            speedup_spreads=spreads,
-        ),
+        dict(batch1=as_dicts(batch1), speedups=medians, speedup_spreads=spreads),
     )

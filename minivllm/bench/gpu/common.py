@@ -186,8 +186,7 @@ class Run:
             # On CUDA the benchmark sizes each engine's KV pool for the workload itself; on the
             # CPU an engine takes a default of 2 GiB, zeroed as it is allocated: most of a
             # quick run's time. The same sizing keeps it small.
-            block_size = ctx.engine_args.get("block_size", EngineConfig.block_size)
-            budget = self.kv_budget(workload, DTYPE, block_size)
+            budget = self.kv_budget(workload, DTYPE, ctx.engine_args.get("block_size"))
             ctx.engine_args.setdefault("kv_cache_memory_bytes", budget)
         repeats = self.sizes.engine_repeats
         results = run_benchmark(
