@@ -765,6 +765,22 @@ def test_nan_and_inf_logits_never_decide_a_token():
     assert dict(output.logprobs[0].top) == {1: 0.0, 0: -inf, 2: -inf}
 
 
+def test_a_temperature_past_float32s_range_keeps_masked_tokens_out():
+    """A temperature of 1e308 is a valid float but inf in float32, and -inf / inf is NaN: the
+    grammar's masked tokens (-inf) would come back, and a NaN row samples token 0 (the server
+    answered 500, "token 0 was emitted although the grammar forbids it"). Such a temperature
+    means the uniform distribution over the tokens left, and only those."""
+    inf = math.inf
+    logits = torch.tensor([[-inf, 3.0, -inf, 1.0, -inf]] * 64)
+    rows = [sampling_row(SamplingParams(temperature=1e308, seed=seed)) for seed in range(64)]
+
+    output = Sampler().probabilities(logits[:1], rows[:1])
+    tokens = Sampler()(logits, rows).token_ids
+
+    assert output.tolist() == [[0.0, 0.5, 0.0, 0.5, 0.0]]
+    assert set(tokens) == {1, 3}
+
+
 # --- the distributions and logprobs chapter 08's verifier reads ---
 
 

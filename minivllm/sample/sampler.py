@@ -345,7 +345,12 @@ class Sampler:
             return [], adjusted[:0]
         params = [rows[i] for i in random_rows]
         logits, device = adjusted[random_rows], adjusted.device
-        logits = logits / _param_tensor(params, "temperature", torch.float32, device).unsqueeze(1)
+        # A temperature past float32's largest number (1e308 is a valid float) would become inf,
+        # and -inf / inf is NaN: a masked token would come back. At float32's largest, every
+        # finite logit goes to about 0 (the uniform distribution such a temperature means) and
+        # -inf stays -inf.
+        temperatures = _param_tensor(params, "temperature", torch.float32, device)
+        logits = logits / temperatures.clamp_max(torch.finfo(torch.float32).max).unsqueeze(1)
         logits = apply_top_k(logits, _param_tensor(params, "top_k", torch.long, device))
         logits = apply_top_p(logits, _param_tensor(params, "top_p", torch.float32, device))
         return random_rows, apply_min_p(
