@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,113 +48,100 @@ MiB = 2**20
 Result = TypeVar("Result")
 
 
-@dataclass(frozen=True)
-class Sizes:
-    """How much each chapter measures."""
-
-    logit_prompts: int  # ch00: chat prompts whose logits are compared with transformers'
-    logit_prompt_lengths: tuple[int, int]  # shortest and longest of them, tokens
-    step_lengths: tuple[int, ...]  # ch01: sequence lengths of one no-cache step
-    naive_requests: int  # ch01: requests of the no-cache loop against `generate`
-    naive_output: int  # ch01: tokens each of them generates
-    speedup_requests: int  # ch02: requests of the methods side by side (one static batch)
-    speedup_output: int
-    decode_rows: tuple[int, ...]  # ch02: rows of the decode-step sweep
-    decode_context: int  # ch02: cached tokens per row in that sweep
-    varied_requests: int  # ch02-04: the varied-output workload
-    varied_outputs: tuple[int, int]
-    seats: int  # ch04: sequences at once, static batches and the engine alike
-    block_sizes: tuple[int, ...]  # ch03: block sizes of the paged decode-attention sweep
-    attention_seqs: int  # ch03: sequences in that sweep
-    attention_seq_len: int  # ch03: tokens of each
-    prefix_requests: int  # ch05: the shared-prefix workload
-    system_prompt_length: int
-    prefix_output: int
-    # ch05: the engines' token budget per step. Requests admitted in the same step cannot hit
-    # each other's blocks (they are cached once computed), so the budget must not admit them all.
-    prefix_step_tokens: int
-    kernel_batches: tuple[int, ...]  # ch06: decode batches of the attention-backend grid
-    kernel_contexts: tuple[int, ...]  # ch06: context lengths of that grid, tokens
-    prefill_chunk: int  # ch06: new tokens of the timed prefill chunk (after as many cached)
-    all_reduce_elements: tuple[int, ...]  # ch07: float32 values of each timed all-reduce
-    all_reduce_repeats: int  # ch07: all-reduces per size; the median counts
-    parallel_batches: tuple[int, ...]  # ch07: rows of the measured decode steps
-    parallel_context: int  # ch07: cached tokens per row, there and in the projection
-    matmul_size: int  # ch07: side of the square products that measure the matmul peak
-    copy_megabytes: int  # ch07: size of the copy that measures the memory bandwidth
-    spec_output: int  # ch08: most tokens each request generates (a copy ends on its own)
-    spec_batches: tuple[int, ...]  # ch08: copying requests at once in the batch sweep
-    serve_rates: tuple[float, ...]  # ch09: offered request rates, requests/s (inf: all at once)
-    serve_requests: int  # ch09: requests sent at each rate, fresh prompts every rate
-    serve_output: int  # ch09: tokens each of them generates
-    serve_seats: int  # ch09: the server's max_num_seqs
-    serve_seconds: float  # ch09: most seconds a rate may take
-    single_output: int  # ch11: tokens the one batch-1 request decodes
-    sampler_batches: tuple[int, ...]  # ch01b: rows of logits the sampler picks from at once
-    grammar_requests: int  # ch10: requests answered with and without a JSON schema
-    grammar_output: int  # ch10: most tokens each of them generates
-    smoke_output: int  # smoke: tokens each engine of the smoke generates
-    repeats: int  # timed rounds of a micro-benchmark, after one untimed: the median counts
-    # Timed rounds of a whole workload on engines side by side (one untimed round first where
-    # there are more than one): the median counts, ratios taken round by round.
-    engine_repeats: int
+def size(full, quick):
+    """A measurement's size in a full run on a GPU and in a quick run (a field of `Sizes`)."""
+    return field(default=full, metadata={"quick": quick})
 
 
-# Every size twice: (a full run on a GPU, a quick run). The quick ones run every chapter in
+# Every size twice, `size(a full run on a GPU, a quick run)`. The quick ones run every chapter in
 # seconds on a CPU. The full ones take much longer than three minutes on an H200 where eager
 # PyTorch spends ~25 ms on a batch-1 decode step of the 135M model (launches, not arithmetic):
 # one such machine measured the smoke in 88 s and chapter 01 in 112 s, and chapter 02 was still
 # running after 170 s. The JSON records each chapter's seconds.
-_SIZES = dict(
-    logit_prompts=(8, 3),
-    logit_prompt_lengths=((20, 1000), (20, 120)),
-    step_lengths=((16, 64, 128, 256, 512, 1024, 2048), (16, 64, 128)),
-    naive_requests=(4, 2),
-    naive_output=(128, 6),
-    speedup_requests=(16, 3),
-    speedup_output=(32, 6),
-    decode_rows=((1, 2, 4, 8, 16, 32, 64, 128, 256, 512), (1, 2, 4)),
-    decode_context=(128, 32),
-    varied_requests=(64, 6),
-    varied_outputs=((16, 256), (4, 16)),
-    seats=(16, 3),
-    block_sizes=((1, 2, 4, 8, 16, 32, 64, 128, 256), (1, 4, 16)),
-    attention_seqs=(64, 4),
-    attention_seq_len=(1024, 64),
-    prefix_requests=(64, 4),
-    system_prompt_length=(1000, 200),
-    prefix_output=(16, 4),
-    prefix_step_tokens=(2048, 128),  # the engine's default: one or two of the ~1030-token prompts
-    kernel_batches=((1, 16, 64), (1, 2)),
-    kernel_contexts=((512, 2048, 4096), (32, 64)),
-    prefill_chunk=(2048, 32),
-    # 1 KiB to 256 MiB. Quick: up to 16 MiB: on a 2-core CPU a small all-reduce's median varies
-    # from 0.3 to 3.5 ms, and the largest (~14 ms) must stand clear of that for the fit to find
-    # a bandwidth.
-    all_reduce_elements=(tuple(4**k for k in range(4, 14)), (2**8, 2**12, 2**16, 2**20, 2**22)),
-    all_reduce_repeats=(20, 20),
-    parallel_batches=((1, 4, 16, 64, 256), (1, 4)),
-    parallel_context=(1024, 32),
-    matmul_size=(8192, 256),  # 1 TFLOP a product: long enough for the clock, as a 2048 one is not
-    copy_megabytes=(1024, 16),
-    spec_output=(96, 8),  # a paragraph's copy is 40-60 tokens: it ends before
-    spec_batches=((1, 4, 16, 32, 64), (1, 2)),
+@dataclass(frozen=True)
+class Sizes:
+    """How much each chapter measures."""
+
+    # ch00: chat prompts whose logits are compared with transformers'
+    logit_prompts: int = size(8, 3)
+    # shortest and longest of them, tokens
+    logit_prompt_lengths: tuple[int, int] = size((20, 1000), (20, 120))
+    # ch01: sequence lengths of one no-cache step
+    step_lengths: tuple[int, ...] = size((16, 64, 128, 256, 512, 1024, 2048), (16, 64, 128))
+    naive_requests: int = size(4, 2)  # ch01: requests of the no-cache loop against `generate`
+    naive_output: int = size(128, 6)  # ch01: tokens each of them generates
+    # ch02: requests of the methods side by side (one static batch)
+    speedup_requests: int = size(16, 3)
+    speedup_output: int = size(32, 6)
+    # ch02: rows of the decode-step sweep
+    decode_rows: tuple[int, ...] = size((1, 2, 4, 8, 16, 32, 64, 128, 256, 512), (1, 2, 4))
+    decode_context: int = size(128, 32)  # ch02: cached tokens per row in that sweep
+    varied_requests: int = size(64, 6)  # ch02-04: the varied-output workload
+    varied_outputs: tuple[int, int] = size((16, 256), (4, 16))
+    seats: int = size(16, 3)  # ch04: sequences at once, static batches and the engine alike
+    # ch03: block sizes of the paged decode-attention sweep
+    block_sizes: tuple[int, ...] = size((1, 2, 4, 8, 16, 32, 64, 128, 256), (1, 4, 16))
+    attention_seqs: int = size(64, 4)  # ch03: sequences in that sweep
+    attention_seq_len: int = size(1024, 64)  # ch03: tokens of each
+    prefix_requests: int = size(64, 4)  # ch05: the shared-prefix workload
+    system_prompt_length: int = size(1000, 200)
+    prefix_output: int = size(16, 4)
+    # ch05: the engines' token budget per step (the engine's default: one or two of the
+    # ~1030-token prompts). Requests admitted in the same step cannot hit each other's blocks
+    # (they are cached once computed), so the budget must not admit them all.
+    prefix_step_tokens: int = size(2048, 128)
+    # ch06: decode batches of the attention-backend grid
+    kernel_batches: tuple[int, ...] = size((1, 16, 64), (1, 2))
+    # ch06: context lengths of that grid, tokens
+    kernel_contexts: tuple[int, ...] = size((512, 2048, 4096), (32, 64))
+    # ch06: new tokens of the timed prefill chunk (after as many cached)
+    prefill_chunk: int = size(2048, 32)
+    # ch07: float32 values of each timed all-reduce, 1 KiB to 256 MiB. Quick: up to 16 MiB: on
+    # a 2-core CPU a small all-reduce's median varies from 0.3 to 3.5 ms, and the largest
+    # (~14 ms) must stand clear of that for the fit to find a bandwidth.
+    all_reduce_elements: tuple[int, ...] = size(
+        tuple(4**k for k in range(4, 14)), (2**8, 2**12, 2**16, 2**20, 2**22)
+    )
+    all_reduce_repeats: int = size(20, 20)  # ch07: all-reduces per size; the median counts
+    # ch07: rows of the measured decode steps
+    parallel_batches: tuple[int, ...] = size((1, 4, 16, 64, 256), (1, 4))
+    # ch07: cached tokens per row, there and in the projection
+    parallel_context: int = size(1024, 32)
+    # ch07: side of the square products that measure the matmul peak (1 TFLOP a product: long
+    # enough for the clock, as a 2048 one is not)
+    matmul_size: int = size(8192, 256)
+    # ch07: size of the copy that measures the memory bandwidth
+    copy_megabytes: int = size(1024, 16)
+    # ch08: most tokens each request generates (a copy ends on its own: a paragraph's copy is
+    # 40-60 tokens, it ends before)
+    spec_output: int = size(96, 8)
+    # ch08: copying requests at once in the batch sweep
+    spec_batches: tuple[int, ...] = size((1, 4, 16, 32, 64), (1, 2))
     # From well below the engine's capacity to past it; 64 requests take 16 s at the lowest.
-    serve_rates=((4.0, 16.0, 64.0, 256.0, float("inf")), (8.0, float("inf"))),
-    serve_requests=(64, 3),
-    serve_output=(64, 4),
-    serve_seats=(64, 4),
-    serve_seconds=(30.0, 20.0),
-    single_output=(128, 8),
-    sampler_batches=((1, 32, 256), (1, 4)),
-    grammar_requests=(32, 2),
-    grammar_output=(64, 12),
-    smoke_output=(16, 4),
-    repeats=(5, 2),
-    engine_repeats=(3, 1),  # quick: one round, no warm-up (each round costs a whole workload)
-)
-GPU_SIZES = Sizes(**{name: full for name, (full, _) in _SIZES.items()})
-QUICK_SIZES = Sizes(**{name: quick for name, (_, quick) in _SIZES.items()})
+    # ch09: offered request rates, requests/s (inf: all at once)
+    serve_rates: tuple[float, ...] = size(
+        (4.0, 16.0, 64.0, 256.0, float("inf")), (8.0, float("inf"))
+    )
+    serve_requests: int = size(64, 3)  # ch09: requests sent at each rate, fresh prompts every rate
+    serve_output: int = size(64, 4)  # ch09: tokens each of them generates
+    serve_seats: int = size(64, 4)  # ch09: the server's max_num_seqs
+    serve_seconds: float = size(30.0, 20.0)  # ch09: most seconds a rate may take
+    single_output: int = size(128, 8)  # ch11: tokens the one batch-1 request decodes
+    # ch01b: rows of logits the sampler picks from at once
+    sampler_batches: tuple[int, ...] = size((1, 32, 256), (1, 4))
+    grammar_requests: int = size(32, 2)  # ch10: requests answered with and without a JSON schema
+    grammar_output: int = size(64, 12)  # ch10: most tokens each of them generates
+    smoke_output: int = size(16, 4)  # smoke: tokens each engine of the smoke generates
+    # Timed rounds of a micro-benchmark, after one untimed: the median counts.
+    repeats: int = size(5, 2)
+    # Timed rounds of a whole workload on engines side by side (one untimed round first where
+    # there are more than one): the median counts, ratios taken round by round. Quick: one
+    # round, no warm-up (each round costs a whole workload).
+    engine_repeats: int = size(3, 1)
+
+
+GPU_SIZES = Sizes()
+QUICK_SIZES = Sizes(**{each.name: each.metadata["quick"] for each in fields(Sizes)})
 
 
 @dataclass
