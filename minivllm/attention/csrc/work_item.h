@@ -55,9 +55,9 @@ struct ItemRows {
 // computed. A decode's keys lie in blocks scattered over the pool, and the hardware prefetcher,
 // which follows a stream of lines within one 4 KB page, cannot guess the next block; the block
 // table knows it. One chunk ahead is enough: a chunk's arithmetic takes about as long as memory
-// takes to answer. Into L2, not L1: measured on a 64-sequence decode, prefetching into L1 gained
-// nothing (the lines evict those still in use), into L2 it cut the time by a third in float32
-// and by half in bfloat16. (Inlined by force: GCC judges a function whose only work is
+// takes to answer. Into L2, not L1: measured on a 64-sequence decode, prefetching into L1 (or
+// non-temporally) gained nothing, into L2 it cut the time by a third in float32 and by half in
+// bfloat16. (Inlined by force: GCC judges a function whose only work is
 // prefetching to have no effect and deletes its calls; built without, the kernel held no
 // prefetch instruction at all.)
 template <typename T>
