@@ -47,8 +47,13 @@ ISA_FLAGS = {
     ],
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
-# AVX512-VNNI's byte dot product, where the CPU has it (int8 activations, chapter 12).
-VNNI_FLAGS = ["-DMINIVLLM_VNNI", "-mavx512vnni"]
+# Instructions some AVX512 CPUs add, used where torch reports them (chapter 12): VNNI's byte dot
+# product (int8 activations) and AVX512-BF16's bfloat16 pair dot product (int4 weights times
+# bfloat16 activations). Each one present is part of the build's name.
+AVX512_EXTENSIONS = {
+    "avx512_vnni": ["-DMINIVLLM_VNNI", "-mavx512vnni"],
+    "avx512_bf16": ["-DMINIVLLM_AVX512_BF16", "-mavx512bf16"],
+}
 
 # torch's builder takes a lock file in the build directory, and a process that finds it waits
 # until it is gone. A build that was interrupted (Ctrl-C, a killed process) leaves it behind, and
@@ -61,8 +66,14 @@ def compiler_flags() -> tuple[str, list[str]]:
     """The build's name for this CPU's instructions, and the flags that target them."""
     capability = torch.backends.cpu.get_cpu_capability()
     flags = ["-O3", "-fopenmp", *ISA_FLAGS.get(capability, [])]
-    if capability == "AVX512" and torch.cpu.get_capabilities().get("avx512_vnni", False):
-        capability, flags = "AVX512_VNNI", flags + VNNI_FLAGS
+    if capability == "AVX512":
+        present = torch.cpu.get_capabilities()
+        for extension, extension_flags in AVX512_EXTENSIONS.items():
+            if present.get(extension, False):
+                capability, flags = (
+                    f"{capability}_{extension[len('avx512_') :]}",
+                    flags + extension_flags,
+                )
     return capability.lower(), flags
 
 

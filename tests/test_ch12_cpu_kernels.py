@@ -94,10 +94,9 @@ def test_int4_product_is_the_product_with_the_dequantized_weight(
     q, scale, minimum = quantize_int4(weight, group_size)
     scale, minimum = scale.to(scale_dtype), minimum.to(scale_dtype)  # as stored
     x = activations(data.draw, weight.shape[1], dtype)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_quantized, "TILE_ROWS", data.draw(st.integers(1, 16)))
-        packed = cpu_quantized.pack_int4_blocks(q)
-        out = cpu_quantized.int4_linear(x, packed, scale, minimum, int8_activations)
+    packed = cpu_quantized.pack_int4_blocks(q)
+    tile_rows = data.draw(st.integers(1, 16))  # small tiles: a weight spans several
+    out = torch.ops.minivllm.int4_linear(x, packed, scale, minimum, int8_activations, tile_rows)
     seen = as_the_kernel_sees_them(
         x, int8_activations and x.shape[0] <= cpu_quantized.GEMV_MAX_ROWS
     )
@@ -111,9 +110,8 @@ def test_int8_product_is_the_product_with_the_dequantized_weight(
 ):
     q, scale = quantize_int8(weight)
     x = activations(data.draw, weight.shape[1], dtype)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_quantized, "TILE_ROWS", data.draw(st.integers(1, 16)))
-        out = cpu_quantized.int8_linear(x, q, scale, int8_activations)
+    tile_rows = data.draw(st.integers(1, 16))
+    out = torch.ops.minivllm.int8_linear(x, q, scale, int8_activations, tile_rows)
     seen = as_the_kernel_sees_them(
         x, int8_activations and x.shape[0] <= cpu_quantized.GEMV_MAX_ROWS
     )
@@ -145,18 +143,22 @@ def test_dequantized_tiles_are_the_weights_rows(weight, data):
 @given(rows=st.integers(1, 3 * cpu_quantized.GEMV_MAX_ROWS))
 def test_each_row_count_takes_its_path(rows):
     """Up to GEMV_MAX_ROWS rows the register-blocked product, past it the tiled one, for both
-    formats (the threshold's own row count included)."""
-    tiled = []
-    real_tiled_linear = cpu_quantized.tiled_linear
+    formats (the threshold's own row count included): the tiled product multiplies float tiles
+    with ATen's linear, which the profiler sees; the register-blocked one calls no other
+    operator."""
+    from torch.profiler import ProfilerActivity, profile
+
     weight, x = torch.randn(24, 64), torch.randn(rows, 64)
     q, scale, minimum = quantize_int4(weight)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(
-            cpu_quantized, "tiled_linear", lambda *args: tiled.append(1) or real_tiled_linear(*args)
-        )
-        cpu_quantized.int4_linear(x, cpu_quantized.pack_int4_blocks(q), scale, minimum)
-        cpu_quantized.int8_linear(x, *quantize_int8(weight))
-    assert len(tiled) == (0 if rows <= cpu_quantized.GEMV_MAX_ROWS else 2)
+    packed, (q8, scale8) = cpu_quantized.pack_int4_blocks(q), quantize_int8(weight)
+    for product in (
+        lambda: torch.ops.minivllm.int4_linear(x, packed, scale, minimum),
+        lambda: torch.ops.minivllm.int8_linear(x, q8, scale8),
+    ):
+        with profile(activities=[ProfilerActivity.CPU]) as profiler:
+            product()
+        called = {event.key for event in profiler.key_averages()}
+        assert ("aten::linear" in called) == (rows > cpu_quantized.GEMV_MAX_ROWS), called
 
 
 @settings(max_examples=30, deadline=None)

@@ -140,12 +140,12 @@ def test_quantized_products_are_products_with_the_dequantized_weight(
     with cpu_kernels_of(kernels):
         int8 = q.Int8Weight.from_float(weight.to(dtype))
         int4 = q.Int4Weight.from_float(weight.to(dtype), group_size)
-    # PyTorch's int4 packing tiles rows by 16, and its kernel is fast for bfloat16 only; where
-    # it does not serve, minivllm's takes any shape of whole 32-weight groups, in both dtypes.
-    if weight.shape[0] % 16 == 0 and dtype == torch.bfloat16:
-        assert int4.kernel == "aten._weight_int4pack_mm_for_cpu"
-    elif kernels == "own":
+    # minivllm's kernels take any shape of whole 32-weight groups, in both dtypes; without
+    # them, PyTorch's serves bfloat16 (its packing tiles rows by 16).
+    if kernels == "own":
         assert int4.kernel == "minivllm_cpu.int4_gemv"
+    elif weight.shape[0] % 16 == 0 and dtype == torch.bfloat16:
+        assert int4.kernel == "aten._weight_int4pack_mm_for_cpu"
     else:
         assert int4.kernel == "dequantize + F.linear (reference)"
     if kernels == "own":
@@ -179,7 +179,8 @@ def test_int4_reference_path_where_no_kernel_fits():
             assert kernel(64, 32, torch.float16, "cpu") == "reference"
     with cpu_kernels_of("own"):
         assert kernel(64, 32, torch.float32, "cpu") == "minivllm"
-        assert kernel(64, 32, torch.bfloat16, "cpu") == "cpu"  # PyTorch's, faster there
+        assert kernel(64, 32, torch.bfloat16, "cpu") == "minivllm"
+        assert kernel(64, 16, torch.bfloat16, "cpu") == "cpu"  # half blocks: PyTorch's
         assert kernel(60, 64, torch.bfloat16, "cpu") == "minivllm"
         assert kernel(60, 16, torch.bfloat16, "cpu") == "reference"
     with cpu_kernels_of("pytorch"):
@@ -509,12 +510,12 @@ OWN_INT8, OWN_INT4 = "minivllm::int8_linear", "minivllm::int4_linear"
 SUPPORTED_DTYPES = {"own": ("bfloat16", "float32"), "pytorch": ("bfloat16",)}
 
 
-def cpu_quantized_products(kernels: str, quantization: str, dtype: str) -> set[str]:
-    """A quantized engine's products on the CPU, its tied embedding / LM head in int8: int8 on
-    minivllm's kernel where it built, int4 on PyTorch's in bfloat16 (the tiny model's widths
-    are multiples of 16) and on minivllm's in float32."""
+def cpu_quantized_products(kernels: str, quantization: str) -> set[str]:
+    """A quantized engine's products on the CPU, its tied embedding / LM head in int8: both on
+    minivllm's kernels where they built, else on PyTorch's (bfloat16 only; the tiny model's
+    widths are multiples of 16)."""
     int8 = OWN_INT8 if kernels == "own" else INT8
-    int4 = INT4 if dtype == "bfloat16" else OWN_INT4
+    int4 = OWN_INT4 if kernels == "own" else INT4
     return {int8} if quantization == "int8" else {int4, int8}
 
 
@@ -552,7 +553,7 @@ def test_every_dtype_and_quantization_runs_a_kernel_or_is_refused(
         llm.generate([{"prompt_token_ids": [5]}], params, use_tqdm=False)
     expected = (
         FLOAT_PRODUCTS[expected_dtype] if quantization is None
-        else cpu_quantized_products(kernels, quantization, expected_dtype)
+        else cpu_quantized_products(kernels, quantization)
     )  # fmt: skip
     assert ran.names & MATRIX_PRODUCTS == expected
 

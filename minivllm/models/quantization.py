@@ -19,18 +19,19 @@ levels (with PyTorch's int4 kernels, each group's scale and zero rounded to the 
 dtype; see `Int4Weight`). These products are W4A16 and W8A16: the activations stay floats and
 each weight is dequantized to a float before it multiplies. llama.cpp's CPU product of a Q4_1
 file is W4A8 instead, the activations quantized to int8 per block of 32 and multiplied as
-integers (`cpu_quantized.int4_linear(..., int8_activations=True)` is that product, for
+integers (`torch.ops.minivllm.int4_linear(..., int8_activations=True)` is that product, for
 comparison).
 
 The products dequantize inside the kernel: for a decode's few rows none of them writes a float
 copy of the weight, and minivllm's own never write one of the whole weight. On a CPU
 minivllm has its own (`cpu_quantized.py`, C++ built with chapter 06's kernel: a product that
 reads the integers for a decode's few rows, a tiled one for many), fast in float32 and bfloat16:
-they multiply every int8 weight, and the int4 weights PyTorch's kernel does not take. PyTorch's
+they multiply every int8 and int4 weight there. PyTorch's
 `_weight_int8pack_mm` and its int4 kernels (`_weight_int4pack_mm_for_cpu`; tinygemm's
 `_weight_int4pack_mm` on CUDA) read the small integers and their scales; they are fast for some
-activation dtypes only (`config.KERNEL_ACTIVATION_DTYPES`: bfloat16 on the CPU), and an engine
-with no other kernel refuses the others. Where they are used, int8 products of more than
+activation dtypes only (`config.KERNEL_ACTIVATION_DTYPES`: bfloat16 on the CPU); they serve a CPU
+where minivllm's could not be built, and CUDA, and an engine with no other kernel refuses the
+other dtypes. Where they are used, int8 products of more than
 INT8_FUSED_MAX_ROWS rows convert the weight once per call for the float product. Where no kernel
 fits, the layers multiply by a dequantized copy made per call: correct and slow, the tests'
 reference; `kernel` says which ran. The tinygemm kernels store a group as (scale, zero) with w =
@@ -120,7 +121,7 @@ INT8_FUSED_MAX_ROWS = 16
 
 class Int8Weight:
     """An int8 weight [N, K] with one scale per row. On a CPU where chapter 12's own kernels
-    built, `cpu_quantized.int8_linear` multiplies it: a product that reads the int8 values for
+    built, `torch.ops.minivllm.int8_linear` multiplies it: a product that reads the int8 values for
     a few rows, a tiled one for many (see that module). Elsewhere `_weight_int8pack_mm` reads
     the int8 values and applies the row's scale to each output for a few rows, and for more
     rows (or a dtype that kernel is not fast for) the float product runs on the weight
@@ -194,20 +195,21 @@ class Int4Layout:
 
 def int4_layout(shape: torch.Size, group_size: int, dtype: torch.dtype, device) -> Int4Layout:
     """A kernel for a dtype `config.supported_activation_dtypes` names, where the shape fits
-    it. On a CPU, PyTorch's kernel for bfloat16 where N is a multiple of 16 (its packing tiles
-    the rows by 16; any K that groups divide): at a decode's few rows it is faster than ours
-    (the 49152 x 576 LM head, one row, two threads: 1.08 against 1.57 ms), which serves float32
-    and any N, in groups of whole 32-weight blocks. tinygemm on CUDA needs N a multiple of 8,
-    groups of 32-256 and K a multiple of 32 (its packing tiles K by 16 x inner_k_tiles).
-    Anything else: the reference product."""
+    it. On a CPU, minivllm's own products where they built (float32 and bfloat16, groups of
+    whole 32-weight blocks): at a decode's one row they are the faster ones (the embedded
+    model's int4 layers, two threads, bfloat16: 7.9 ms a step in all against 10.0 with PyTorch's
+    kernel); else PyTorch's kernel for bfloat16 where N is a multiple of 16 (its packing tiles
+    the rows by 16; any K that groups divide). tinygemm on CUDA needs N a multiple of 8, groups
+    of 32-256 and K a multiple of 32 (its packing tiles K by 16 x inner_k_tiles). Anything
+    else: the reference product."""
     rows, columns = shape
     device = torch.device(device)
     if dtype not in supported_activation_dtypes("int4", device):
         return Int4Layout("reference")
     if device.type == "cpu":
-        if dtype in KERNEL_ACTIVATION_DTYPES["cpu"]["int4"] and rows % 16 == 0:
-            return Int4Layout("cpu")
         own_fits = uses_own_cpu_kernels(device) and group_size % 32 == 0
+        if not own_fits and dtype in KERNEL_ACTIVATION_DTYPES["cpu"]["int4"] and rows % 16 == 0:
+            return Int4Layout("cpu")
         return Int4Layout("minivllm" if own_fits else "reference")
     if device.type == "cuda" and rows % 8 == 0 and group_size >= 32:
         for tiles in (8, 4, 2):

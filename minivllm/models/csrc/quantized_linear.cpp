@@ -1,6 +1,12 @@
 // Chapter 12, "Our own kernel": weight-only products that read the small integers and never
 // write a float copy of the weight. Built at first use with chapter 06's CPU attention kernel
-// (`minivllm/cpu_kernels.py`: one library, one cache). Registered as torch.ops.minivllm_cpu.*:
+// (`minivllm/cpu_kernels.py`: one library, one cache). The model calls two operators,
+//
+//   torch.ops.minivllm.int4_linear(x, packed, scale, minimum)   x @ w.T for an int4 weight
+//   torch.ops.minivllm.int8_linear(x, q, scale)                 the same for an int8 one
+//
+// which choose by the row count: a few rows (a decode step) the register-blocked products,
+// more the tiled one. Each product is an operator of its own too (torch.ops.minivllm_cpu.*):
 //
 //   int4_gemv(out, x, packed, scale, minimum)   out[r, n] = sum_k x[r, k] * w[n, k], few rows
 //   int8_gemv(out, x, q, scale)                 the same for int8 weights
@@ -59,7 +65,7 @@ void gemv(at::Tensor& out, const at::Tensor& x, const Weight& weight, int64_t n)
     scalar_t* dst = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       with_row_count(x.size(0), [&](auto rows_) {
-        for_column_tiles<decltype(rows_)::value>(begin, end, [&](auto cols_, int64_t col) {
+        for_column_tiles<decltype(rows_)::value>(weight, begin, end, [&](auto cols_, int64_t col) {
           gemv_tile<decltype(rows_)::value, decltype(cols_)::value>(weight, values.data_ptr<float>(), dst, n,
                                                                     col);
         });
@@ -68,9 +74,105 @@ void gemv(at::Tensor& out, const at::Tensor& x, const Weight& weight, int64_t n)
   });
 }
 
+#if defined(MINIVLLM_AVX512_BF16)
+// bfloat16 activations times int4 weights, by AVX512-BF16's pair dot product: one instruction
+// multiplies 32 bfloat16 pairs and adds them into 16 float32 lanes. The weights' levels 0..15 are
+// bfloat16 numbers exactly, so a block needs no float conversion: its 32 nibbles become 16-bit
+// indices into a table of the 16 levels as bfloat16 (one permute), and the group's
+// sum(q * x) is then scaled once, w * x summed as scale * sum(q * x) + minimum * sum(x). Each
+// product q * x is exact in float32 and the sums are float32's, as in the float product above;
+// sum(x) per group is made once per call. (Without the table, the usual trick reads the bits
+// 0x4300 | q as the bfloat16 128 + q; subtracting 128 * sum(x) afterwards cancels most of the
+// sum's bits, and a group whose levels are all 0 came out wrong by 1e-7 of sum(|x|).)
+inline __m512i int4_block_levels_bf16(const uint8_t* bytes) {
+  // bfloat16 of 0..15 (a float's upper 16 bits), in the first 16 of 32 words
+  const __m512i levels = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x4170, 0x4160,
+                                          0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0,
+                                          0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+  // words 0-15 and 16-31 both hold bytes 0-15; the first 16 keep the low nibbles (weights
+  // 0-15), the last 16 shift the high ones down (weights 16-31)
+  const __m512i words = _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes))));
+  const __m512i shifts = _mm512_set_epi64(0x0004000400040004, 0x0004000400040004, 0x0004000400040004,
+                                          0x0004000400040004, 0, 0, 0, 0);
+  const __m512i nibbles = _mm512_and_si512(_mm512_srlv_epi16(words, shifts), _mm512_set1_epi16(15));
+  return _mm512_permutexvar_epi16(nibbles, levels);
+}
+
+// Up to 16 floats from p on (count of them; the other lanes 0), from float32 or float16.
+inline __mmask16 first_lanes(int64_t count) { return count >= 16 ? 0xFFFF : (1u << count) - 1; }
+inline __m512 load_floats(const float* p, int64_t count) { return _mm512_maskz_loadu_ps(first_lanes(count), p); }
+inline __m512 load_floats(const c10::Half* p, int64_t count) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(count), p));
+}
+
+template <int64_t Rows, int64_t Cols, typename Scale>
+void bf16_gemv_tile(const Int4Weight<Scale> weight, const at::BFloat16* x, const float* x_sums,
+                    at::BFloat16* out, int64_t n, int64_t col) {
+  const int64_t k = weight.k, groups = weight.groups;
+  __m512 acc[Rows][Cols];
+  for (int64_t r = 0; r < Rows; ++r)
+    for (int64_t c = 0; c < Cols; ++c) acc[r][c] = _mm512_setzero_ps();
+  // scale * sum(q * x), group by group
+  for (int64_t g = 0, b = 0; g < groups; ++g) {
+    __m512 group_acc[Rows][Cols];
+    for (int64_t r = 0; r < Rows; ++r)
+      for (int64_t c = 0; c < Cols; ++c) group_acc[r][c] = _mm512_setzero_ps();
+    for (const int64_t group_end = b + weight.blocks_per_group; b < group_end; ++b) {
+      __m512i w[Cols];
+      for (int64_t c = 0; c < Cols; ++c) w[c] = int4_block_levels_bf16(weight.block(col + c, b));
+      for (int64_t r = 0; r < Rows; ++r) {
+        const __m512i xv = _mm512_loadu_si512(x + r * k + b * kBlock);
+        for (int64_t c = 0; c < Cols; ++c)
+          group_acc[r][c] = _mm512_dpbf16_ps(group_acc[r][c], (__m512bh)w[c], (__m512bh)xv);
+      }
+    }
+    for (int64_t c = 0; c < Cols; ++c) {
+      const __m512 scale = _mm512_set1_ps(weight.scale(col + c, g));
+      for (int64_t r = 0; r < Rows; ++r) acc[r][c] = _mm512_fmadd_ps(group_acc[r][c], scale, acc[r][c]);
+    }
+  }
+  // + minimum * sum(x) of every group, 16 groups a vector (kept out of the loop above: a scalar
+  // sum carried from group to group waited on itself there)
+  for (int64_t g = 0; g < groups; g += 16) {
+    const int64_t count = std::min<int64_t>(16, groups - g);
+    for (int64_t c = 0; c < Cols; ++c) {
+      const __m512 minimums = load_floats(weight.minimums + (col + c) * groups + g, count);
+      for (int64_t r = 0; r < Rows; ++r)
+        acc[r][c] = _mm512_fmadd_ps(minimums, load_floats(x_sums + r * groups + g, count), acc[r][c]);
+    }
+  }
+  for (int64_t r = 0; r < Rows; ++r)
+    for (int64_t c = 0; c < Cols; ++c) out[r * n + col + c] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[r][c]));
+}
+
+template <typename Scale>
+void bf16_gemv(at::Tensor& out, const at::Tensor& x, const Int4Weight<Scale>& weight, int64_t n) {
+  const at::Tensor values = x.contiguous();
+  const auto* rows = values.data_ptr<at::BFloat16>();
+  // sum(x) of each row's groups, in float32 (a plain loop: ATen's ops cost microseconds a call)
+  const int64_t group_size = weight.k / weight.groups;
+  std::vector<float> x_sums(x.size(0) * weight.groups, 0.0f);
+  for (int64_t i = 0; i < x.numel(); ++i) x_sums[i / group_size] += static_cast<float>(rows[i]);
+  auto* dst = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+    with_row_count(x.size(0), [&](auto rows_) {
+      for_column_tiles<decltype(rows_)::value>(weight, begin, end, [&](auto cols_, int64_t col) {
+        bf16_gemv_tile<decltype(rows_)::value, decltype(cols_)::value>(weight, rows, x_sums.data(),
+                                                                       dst, n, col);
+      });
+    });
+  });
+}
+#endif
+
 void int4_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                const at::Tensor& minimum) {
-  with_int4_weight(out, x, packed, scale, minimum, [&](const auto& weight) { gemv(out, x, weight, packed.size(0)); });
+  with_int4_weight(out, x, packed, scale, minimum, [&](const auto& weight) {
+#if defined(MINIVLLM_AVX512_BF16)
+    if (x.scalar_type() == at::kBFloat16) return bf16_gemv(out, x, weight, packed.size(0));
+#endif
+    gemv(out, x, weight, packed.size(0));
+  });
 }
 
 void int8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale) {
@@ -114,7 +216,84 @@ void int8_dequantize(at::Tensor out, const at::Tensor& q, const at::Tensor& scal
   dequantize(out, int8_weight(q, scale), row_begin, q.size(0));
 }
 
+// x @ w.T for many rows: w made `tile_rows` rows at a time by `dequantize_tile(tile, first_row)`
+// into one reused buffer, and a float matrix product (ATen's, oneDNN on a CPU) of x with each
+// tile, written into its columns of the output. No float copy of the whole weight is made.
+template <typename DequantizeTile>
+at::Tensor tiled_linear(const at::Tensor& x, int64_t n, int64_t tile_rows, DequantizeTile&& dequantize_tile) {
+  TORCH_CHECK(tile_rows > 0, "tile_rows must be positive, got ", tile_rows);
+  at::Tensor out = at::empty({x.size(0), n}, x.options());
+  at::Tensor buffer = at::empty({std::min(n, tile_rows), x.size(1)}, x.options());
+  for (int64_t begin = 0; begin < n; begin += tile_rows) {
+    at::Tensor tile = buffer.narrow(0, 0, std::min(n - begin, tile_rows));
+    dequantize_tile(tile, begin);
+    out.narrow(1, begin, tile.size(0)).copy_(at::linear(x, tile));
+  }
+  return out;
+}
+
+// The operators the model calls (torch.ops.minivllm.int4_linear / int8_linear): x [M, K] @ w.T,
+// [M, N] in x's dtype. Up to kMaxGemvRows rows the register-blocked product (with
+// `int8_activations`, the one that quantizes the rows to int8 blocks first: W4A8, W8A8), more
+// rows the tiled one. Chosen here, when the call runs, so a compiled graph holds one opaque call
+// and is guarded on nothing; written in C++ because a Python operator's own cost (~5 us a call,
+// 120 calls a step) was a tenth of a batch-1 step.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& minimum, bool int8_activations, int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, K], got ", x.sizes());
+  if (x.size(0) <= kMaxGemvRows) {
+    at::Tensor out = at::empty({x.size(0), packed.size(0)}, x.options());
+    (int8_activations ? w4a8_gemv : int4_gemv)(out, x, packed, scale, minimum);
+    return out;
+  }
+  return tiled_linear(x, packed.size(0), tile_rows,
+                      [&](at::Tensor& tile, int64_t begin) { int4_dequantize(tile, packed, scale, minimum, begin); });
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, bool int8_activations,
+                       int64_t tile_rows) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, K], got ", x.sizes());
+  if (x.size(0) <= kMaxGemvRows) {
+    at::Tensor out = at::empty({x.size(0), q.size(0)}, x.options());
+    (int8_activations ? w8a8_gemv : int8_gemv)(out, x, q, scale);
+    return out;
+  }
+  return tiled_linear(x, q.size(0), tile_rows,
+                      [&](at::Tensor& tile, int64_t begin) { int8_dequantize(tile, q, scale, begin); });
+}
+
+// For the compiler (chapter 11): the result's shape and dtype, without running anything. The
+// sizes are symbolic there (sym_size), so the row count stays a variable of the graph.
+at::Tensor int4_linear_shape(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&, const at::Tensor&,
+                             bool, int64_t) {
+  return at::empty_symint({x.sym_size(0), packed.sym_size(0)}, x.options());
+}
+
+at::Tensor int8_linear_shape(const at::Tensor& x, const at::Tensor& q, const at::Tensor&, bool, int64_t) {
+  return at::empty_symint({x.sym_size(0), q.sym_size(0)}, x.options());
+}
+
 }  // namespace
+
+// Rows of a weight dequantized at a time by the tiled product: 4.5 MiB of bfloat16 for K = 576.
+#define MINIVLLM_TILE_ROWS "4096"
+
+TORCH_LIBRARY_FRAGMENT(minivllm, m) {
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor minimum, bool int8_activations=False,"
+        " int tile_rows=" MINIVLLM_TILE_ROWS ") -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, bool int8_activations=False, int tile_rows=" MINIVLLM_TILE_ROWS
+        ") -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(minivllm, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int8_linear", &int8_linear);
+}
+
+TORCH_LIBRARY_IMPL(minivllm, Meta, m) {
+  m.impl("int4_linear", &int4_linear_shape);
+  m.impl("int8_linear", &int8_linear_shape);
+}
 
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("int4_gemv(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, Tensor minimum) -> ()");

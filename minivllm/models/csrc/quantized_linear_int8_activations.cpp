@@ -122,7 +122,7 @@ void integer_gemv(at::Tensor& out, const at::Tensor& x, const Weight& weight, in
     scalar_t* dst = out.data_ptr<scalar_t>();
     at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
       with_row_count(x.size(0), [&](auto rows_) {
-        for_column_tiles<decltype(rows_)::value>(begin, end, [&](auto cols_, int64_t col) {
+        for_column_tiles<decltype(rows_)::value>(weight, begin, end, [&](auto cols_, int64_t col) {
           integer_tile<decltype(rows_)::value, decltype(cols_)::value>(
               weight, rows.q.data(), rows.steps.data(), rows.sums.data(), dst, n, col);
         });
@@ -134,6 +134,10 @@ void integer_gemv(at::Tensor& out, const at::Tensor& x, const Weight& weight, in
 #endif
 }
 
+}  // namespace
+
+namespace minivllm_quantized {
+
 void w4a8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                const at::Tensor& minimum) {
   with_int4_weight(out, x, packed, scale, minimum, [&](const auto& weight) { integer_gemv(out, x, weight, packed.size(0)); });
@@ -143,7 +147,7 @@ void w8a8_gemv(at::Tensor out, const at::Tensor& x, const at::Tensor& q, const a
   with_int8_weight(out, x, q, scale, [&](const auto& weight) { integer_gemv(out, x, weight, q.size(0)); });
 }
 
-}  // namespace
+}  // namespace minivllm_quantized
 
 TORCH_LIBRARY_FRAGMENT(minivllm_cpu, m) {
   m.def("w4a8_gemv(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, Tensor minimum) -> ()");
