@@ -8,6 +8,7 @@ not against a second copy of the formula.
 from __future__ import annotations
 
 import math
+import shutil
 import statistics
 import sys
 
@@ -337,3 +338,70 @@ def test_the_bench_command_runs_its_methods_in_rounds(tiny_model_dirs, capsys):
     table = capsys.readouterr().out
     assert "2 rounds, methods interleaved: median (range)" in table
     assert all(label in table for label in ("paged continuous batching", "static"))
+
+
+# A stand-in for llama-cpp-python's `Llama`: greedy over made-up scores in which the
+# end-of-sequence token (2) always wins unless banned, and otherwise the next token is the
+# previous one plus one.
+LLAMA_CPP_STAND_IN = """
+import numpy as np
+
+
+class Llama:
+    def __init__(self, model_path, n_ctx, n_threads, verbose):
+        open(model_path).close()
+
+    def token_eos(self):
+        return 2
+
+    def reset(self):
+        pass
+
+    def generate(self, tokens, logits_processor, **sampling):
+        assert sampling["top_k"] == 1 and sampling["temp"] == 0.0
+        tokens = list(tokens)
+        while True:
+            scores = np.zeros(100, dtype=np.float32)
+            scores[2], scores[(tokens[-1] + 1) % 100] = 2.0, 1.0
+            for processor in logits_processor:
+                scores = processor(np.array(tokens), scores)
+            tokens.append(int(scores.argmax()))
+            yield tokens[-1]
+"""
+
+
+def test_llamacpp_runs_in_its_own_process_as_a_method(tiny_model_dirs, tmp_path, monkeypatch):
+    """The "llamacpp" method sends the workload's prompts to a peer process running
+    llama-cpp-python on the model's GGUF file, and reads back exactly each request's length of
+    greedy tokens, the end of sequence banned (with a stand-in for llama-cpp-python)."""
+    (tmp_path / "llama_cpp").mkdir()
+    (tmp_path / "llama_cpp" / "__init__.py").write_text(LLAMA_CPP_STAND_IN)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.syspath_prepend(str(tmp_path))  # for llamacpp_available() in this process
+    model_dir = shutil.copytree(tiny_model_dirs["llama"], tmp_path / "model")
+    (model_dir / "model.Q4_1.gguf").write_bytes(b"")  # the stand-in only opens it
+    ctx = BenchmarkContext.load(model_dir)
+    workload = Workload("tiny", [[5, 6, 7, 8], [1], [97]], [4, 6, 3], "three requests")
+    (peer,) = run_benchmark(ctx, workload, ["llamacpp"], measure_peak=False)
+    assert peer.output_tokens == 13 and peer.chapter == 12
+    assert ctx.engines["llamacpp"].generate(workload.prompts, workload.output_lengths) == [
+        [9, 10, 11, 12],
+        [0, 1, 0, 1, 0, 1],  # 2 (the end of sequence) would follow 1: banned, 0 is next best
+        [98, 99, 0],
+    ]
+    peer_process = ctx.engines["llamacpp"].process
+    ctx.close_engines()
+    assert peer_process.returncode == 0 and not ctx.engines
+
+
+def test_llamacpp_method_without_llama_cpp_says_how_to_install_it(
+    tiny_model_dirs, tmp_path, monkeypatch
+):
+    from minivllm.bench import llamacpp_peer
+
+    monkeypatch.setattr(llamacpp_peer, "llamacpp_available", lambda: False)
+    model_dir = shutil.copytree(tiny_model_dirs["llama"], tmp_path / "model")
+    (model_dir / "model.Q4_1.gguf").write_bytes(b"")
+    ctx = BenchmarkContext.load(model_dir)
+    with pytest.raises(ValueError, match="pip install llama-cpp-python"):
+        run_benchmark(ctx, Workload("tiny", [[5, 6]], [2], "one"), ["llamacpp"], measure_peak=False)

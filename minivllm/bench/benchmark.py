@@ -90,7 +90,7 @@ class BenchmarkContext:
         with the machine's memory."""
         for ctx in [self, *self._other_dtypes.values()]:
             for engine in ctx.engines.values():
-                if hasattr(engine, "close"):  # the real vLLM's process (bench/vllm_peer.py)
+                if hasattr(engine, "close"):  # a peer's process (vllm_peer.py, llamacpp_peer.py)
                     engine.close()
             ctx.engines.clear()
 
@@ -369,6 +369,26 @@ def _vllm_method(name: str, label: str, tuned: bool) -> Method:
     return Method(name, label, 11, run, setup)
 
 
+def _llamacpp_method() -> Method:
+    """llama.cpp on the model's GGUF file (chapter 12), in a process of its own, started once
+    (untimed): `bench/llamacpp_peer.py`. One request at a time, on as many threads as torch's."""
+
+    def setup(ctx: BenchmarkContext, workload: Workload) -> None:
+        from minivllm.bench.llamacpp_peer import LlamaCppPeer
+        from minivllm.models.loader import gguf_file_of
+
+        if "llamacpp" not in ctx.engines:
+            longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lengths))
+            ctx.engines["llamacpp"] = LlamaCppPeer(
+                gguf_file_of(ctx.model_dir), longest, torch.get_num_threads()
+            )
+
+    def run(ctx: BenchmarkContext, workload: Workload) -> list[list[int]]:
+        return ctx.engines["llamacpp"].generate(workload.prompts, workload.output_lengths)
+
+    return Method("llamacpp", "llama.cpp, the GGUF file (Q4_1)", 12, run, setup)
+
+
 def workload_kv_cache_bytes(
     workload: Workload, config: ModelConfig, dtype: torch.dtype, block_size: int
 ) -> int:
@@ -415,6 +435,7 @@ METHODS: dict[str, Method] = {
         _engine_method("engine", "paged continuous batching + prefix cache (ch05)", 5),
         _vllm_method("vllm", "vLLM (CPU build), its default", tuned=False),
         _vllm_method("vllm-tuned", "vLLM (CPU build), tuned as its docs say", tuned=True),
+        _llamacpp_method(),
     )
 }
 

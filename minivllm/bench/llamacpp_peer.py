@@ -1,43 +1,63 @@
-"""Chapter 12 — llama.cpp beside minivllm: batch-1 decode on the same GGUF file.
+"""Chapter 12 — llama.cpp beside minivllm: the same GGUF file, one more method of the benchmark.
 
-llama.cpp (through `llama-cpp-python`, `../shared/peers/README.md` style: an optional install,
-`pip install llama-cpp-python`) runs the embedded model's Q4_1 file with its own hand-written
-CPU kernels: the reference for what 4-bit weights can do at batch 1. It runs in a process of its
-own, so that its OpenMP threads and PyTorch's never share one process.
+llama.cpp (through `llama-cpp-python`, an optional install: `pip install llama-cpp-python`,
+which builds llama.cpp for this CPU) runs the embedded model's Q4_1 file with its own
+hand-written CPU kernels: the reference for what 4-bit weights can do at batch 1. Like vLLM
+(`vllm_peer.py`) it runs in a process of its own, so that its OpenMP threads and PyTorch's never
+share one process, and it is a method of `minivllm bench` (`--methods engine:int4@bfloat16,
+llamacpp`): it loads the file once (untimed), then answers each request with the token ids of
+a greedy decode of exactly the asked length, the benchmark's clock running around it, prompt
+included, as for every other method. llama.cpp decodes one sequence at a time here.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
-# Run in the child: load the file, warm up, then time `max_tokens` greedy tokens with the
-# end-of-sequence token banned (so every run decodes all of them, like `ignore_eos`).
-_CHILD = """
-import json, sys, time
+from minivllm.bench.vllm_peer import MARK, PeerProcess
+
+# Run by our own interpreter (llama-cpp-python installs beside minivllm). Greedy: top-k 1,
+# nothing else reshaping the distribution; the end-of-sequence token banned, so that every
+# request decodes its whole length (our engines' `ignore_eos`).
+PEER_SCRIPT = f"""
+import json, sys
+MARK = {MARK!r}
+
+
+def answer(**fields):
+    print(MARK + json.dumps(fields), flush=True)
+
+
 from llama_cpp import Llama
-path, prompt, max_tokens, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-# verbose=True: llama-cpp-python's quiet mode redirects file descriptors and crashes in some
-# environments. n_batch=1: the prompt goes through the decode path one token at a time (some
-# native builds crash on batched prompt kernels); only decode is timed, so it costs nothing.
-llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, n_batch=1, n_ubatch=1, verbose=True)
-no_eos = {llm.token_eos(): -100.0}
+
+settings = json.loads(sys.stdin.readline())
+llm = Llama(**settings)
+eos = llm.token_eos()
 
 
-def seconds_for(tokens):
+def without_eos(input_ids, scores):
+    scores[eos] = -float("inf")
+    return scores
+
+
+def greedy(prompt, length):
     llm.reset()
-    start = time.perf_counter()
-    out = llm.create_completion(prompt, max_tokens=tokens, temperature=0.0, logit_bias=no_eos)
-    assert out["usage"]["completion_tokens"] == tokens
-    return time.perf_counter() - start
+    tokens = []
+    for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0,
+                              repeat_penalty=1.0, logits_processor=[without_eos]):
+        tokens.append(token)
+        if len(tokens) == length:
+            return tokens
 
 
-seconds_for(4)  # warm-up
-one, many = seconds_for(1), seconds_for(max_tokens)
-print(json.dumps({"tokens": max_tokens - 1, "seconds": many - one}))
+greedy([1, 2, 3, 4], 2)  # warm-up
+answer(ready=True)
+for line in sys.stdin:
+    command = json.loads(line)
+    answer(token_ids=[greedy(p, n) for p, n in zip(command["prompts"], command["output_lengths"])])
 """
 
 
@@ -45,17 +65,25 @@ def llamacpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def llamacpp_decode_tokens_per_s(
-    gguf_path: str | Path, prompt: str, max_tokens: int = 128, threads: int = 2
-) -> float:
-    """Decode tokens per second of one greedy request: the time of `max_tokens` tokens less the
-    time of one (the prompt and the first token), over `max_tokens - 1`."""
-    result = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(gguf_path), prompt, str(max_tokens), str(threads)],
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"llama.cpp failed:\n{result.stderr[-2000:]}")
-    timing = json.loads(result.stdout.strip().splitlines()[-1])
-    return timing["tokens"] / timing["seconds"]
+class LlamaCppPeer(PeerProcess):
+    """llama.cpp's `Llama` on a GGUF file in its own process, loaded and warmed up."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf_path: str | Path, context_tokens: int, threads: int):
+        if not llamacpp_available():
+            raise ValueError(
+                "the llamacpp benchmark method needs llama-cpp-python: "
+                "CMAKE_ARGS='-DGGML_NATIVE=ON' pip install llama-cpp-python"
+            )
+        # verbose: llama-cpp-python's quiet mode redirects file descriptors, which fails in
+        # some environments; what it prints goes to the peer's log.
+        settings = dict(
+            model_path=str(gguf_path), n_ctx=context_tokens, n_threads=threads, verbose=True
+        )
+        super().__init__(Path(sys.executable), PEER_SCRIPT, dict(os.environ), settings)
+
+    def generate(self, prompts: list[list[int]], output_lengths: list[int]) -> list[list[int]]:
+        """Greedy tokens of each prompt, exactly its output length (EOS banned)."""
+        self._send(dict(prompts=prompts, output_lengths=output_lengths))
+        return self._receive()["token_ids"]

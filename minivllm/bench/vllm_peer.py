@@ -99,8 +99,58 @@ def vllm_tuned_env(vllm_python: Path) -> dict[str, str]:
     }
 
 
-class VLLMPeer:
+class PeerProcess:
+    """A peer engine in a process of its own, run by `python` on `script`: the script reads a
+    JSON line of `settings`, loads its model, answers `ready`, then answers one marked JSON line
+    per JSON command (see PEER_SCRIPT). Its output besides the answers goes to a log, shown when
+    it fails."""
+
+    name = "peer"
+
+    def __init__(self, python: Path, script: str, env: dict[str, str], settings: dict):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{self.name}-peer-", suffix=".log")
+        self.process = subprocess.Popen(
+            [str(python), "-c", script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            start_new_session=True,  # a group of its own: `close` stops its children too
+        )
+        self._send(settings)
+        self._receive()  # ready
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()  # the peer's loop ends with its input
+            wait_or_kill(self.process, 30)
+        with contextlib.suppress(ProcessLookupError):  # nothing of it left: as it should be
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.log.close()
+
+    def _send(self, message: dict) -> None:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+
+    def _receive(self) -> dict:
+        printed = collections.deque(maxlen=40)  # peers log to stdout: kept for an error
+        for line in self.process.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK) :])
+            printed.append(line)
+        self.process.wait()
+        self.log.seek(0)
+        output = "".join(printed) + self.log.read()[-3000:]
+        raise RuntimeError(
+            f"the {self.name} peer exited with code {self.process.returncode}:\n{output}"
+        )
+
+
+class VLLMPeer(PeerProcess):
     """vLLM's `LLM` on `model_dir` in its own process, loaded and warmed up at construction."""
+
+    name = "vLLM"
 
     def __init__(
         self,
@@ -120,24 +170,13 @@ class VLLMPeer:
             env |= {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         # vLLM reads only what the run gives it: no hub, and not our compile switch.
         env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="vllm-peer-", suffix=".log")
-        self.process = subprocess.Popen(
-            [str(python), "-c", PEER_SCRIPT],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            env=env,
-            start_new_session=True,  # a group of its own: `close` stops vLLM's children too
-        )
         settings = dict(
             model=str(model_dir),
             dtype=dtype,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
         )
-        self._send(settings)
-        self._receive()  # ready
+        super().__init__(python, PEER_SCRIPT, env, settings)
 
     def generate(
         self, prompts: list[list[int]], output_lengths: list[int], reset_prefix_cache: bool
@@ -160,26 +199,3 @@ class VLLMPeer:
             )
         )
         return self._receive()
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.stdin.close()  # the peer's loop ends with its input
-            wait_or_kill(self.process, 30)
-        with contextlib.suppress(ProcessLookupError):  # nothing of it left: as it should be
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.log.close()
-
-    def _send(self, message: dict) -> None:
-        self.process.stdin.write(json.dumps(message) + "\n")
-        self.process.stdin.flush()
-
-    def _receive(self) -> dict:
-        printed = collections.deque(maxlen=40)  # vLLM logs to stdout: kept for an error
-        for line in self.process.stdout:
-            if line.startswith(MARK):
-                return json.loads(line[len(MARK) :])
-            printed.append(line)
-        self.process.wait()
-        self.log.seek(0)
-        output = "".join(printed) + self.log.read()[-3000:]
-        raise RuntimeError(f"the vLLM peer exited with code {self.process.returncode}:\n{output}")
