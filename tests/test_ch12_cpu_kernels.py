@@ -11,6 +11,8 @@ tiny rows, float32 and bfloat16 activations.
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -51,7 +53,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 def activations(draw, columns: int, dtype: torch.dtype) -> torch.Tensor:
-    rows = draw(st.integers(1, 20))
+    # every product: up to 8 rows (register-blocked), 9-64 (bfloat16 pairs), more (tiled)
+    rows = draw(st.one_of(st.integers(1, 20), st.integers(60, 70)))
     generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
     return torch.randn(rows, columns, generator=generator).to(dtype)
 
@@ -137,28 +140,42 @@ def test_dequantized_tiles_are_the_weights_rows(weight, data):
     torch.testing.assert_close(tile, dequantize_int8(q8, scale8)[begin : begin + count])
 
 
+# bfloat16 activations hand over to the tiled product later, where the kernels multiply
+# bfloat16 pairs; float32 ones at GEMV_MAX_ROWS.
+BF16_LAST_ROWS = (
+    cpu_quantized.BF16_PAIRS_MAX_ROWS
+    if cpu_quantized.multiplies_bfloat16_pairs()
+    else cpu_quantized.GEMV_MAX_ROWS
+)
+
+
 @example(rows=cpu_quantized.GEMV_MAX_ROWS)
 @example(rows=cpu_quantized.GEMV_MAX_ROWS + 1)
+@example(rows=cpu_quantized.BF16_PAIRS_MAX_ROWS)
+@example(rows=cpu_quantized.BF16_PAIRS_MAX_ROWS + 1)
 @settings(max_examples=10, deadline=None)
-@given(rows=st.integers(1, 3 * cpu_quantized.GEMV_MAX_ROWS))
+@given(rows=st.integers(1, 2 * cpu_quantized.BF16_PAIRS_MAX_ROWS))
 def test_each_row_count_takes_its_path(rows):
-    """Up to GEMV_MAX_ROWS rows the register-blocked product, past it the tiled one, for both
-    formats (the threshold's own row count included): the tiled product multiplies float tiles
-    with ATen's linear, which the profiler sees; the register-blocked one calls no other
-    operator."""
+    """Up to its threshold a product of its own, past it the tiled one, for both formats and
+    both activation dtypes (the thresholds' own row counts included): the tiled product
+    multiplies float tiles with ATen's linear, which the profiler sees; the others call no
+    other operator."""
     from torch.profiler import ProfilerActivity, profile
 
-    weight, x = torch.randn(24, 64), torch.randn(rows, 64)
+    weight = torch.randn(24, 64)
     q, scale, minimum = quantize_int4(weight)
     packed, (q8, scale8) = cpu_quantized.pack_int4_blocks(q), quantize_int8(weight)
-    for product in (
-        lambda: torch.ops.minivllm.int4_linear(x, packed, scale, minimum),
-        lambda: torch.ops.minivllm.int8_linear(x, q8, scale8),
-    ):
-        with profile(activities=[ProfilerActivity.CPU]) as profiler:
-            product()
-        called = {event.key for event in profiler.key_averages()}
-        assert ("aten::linear" in called) == (rows > cpu_quantized.GEMV_MAX_ROWS), called
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(rows, 64).to(dtype)
+        last_rows = BF16_LAST_ROWS if dtype == torch.bfloat16 else cpu_quantized.GEMV_MAX_ROWS
+        for product in (
+            partial(torch.ops.minivllm.int4_linear, x, packed, scale, minimum),
+            partial(torch.ops.minivllm.int8_linear, x, q8, scale8),
+        ):
+            with profile(activities=[ProfilerActivity.CPU]) as profiler:
+                product()
+            called = {event.key for event in profiler.key_averages()}
+            assert ("aten::linear" in called) == (rows > last_rows), (dtype, called)
 
 
 @settings(max_examples=30, deadline=None)

@@ -17,10 +17,14 @@ activations and the CPU:
   picks them; with AVX2 the levels are widened to floats and scaled by one multiply-add.
 - int8 blocks are widened to floats, and the output column's scale multiplies the finished sum.
 
-Many rows (a prompt, a large batch) make the product compute-bound instead: there the weight is
-dequantized a tile of output columns at a time (`tile_rows`, 4096 unless told) into a buffer
-that stays in the cache, and a float matrix product (oneDNN's) reads the tile. No float copy of
-the whole weight is ever made.
+More rows (a batch of decodes) make the product compute-bound instead. With bfloat16
+activations and AVX512-BF16, up to `BF16_PAIRS_MAX_ROWS`, four columns at a time are dequantized
+once into a bfloat16 buffer that stays in L1 (the scales applied, each weight rounded to
+bfloat16) and multiplied with every row, six rows at a time, by the pair dot product: 24
+accumulators in registers and no per-group work in the loop. Otherwise, and for a prompt's
+hundreds of rows, the weight is dequantized a tile of output columns at a time (`tile_rows`,
+4096 unless told) into a buffer that stays in the cache, and a float matrix product (oneDNN's)
+reads the tile. No float copy of the whole weight is ever made.
 
 The model calls `torch.ops.minivllm.int4_linear(x, packed, scale, minimum)` and
 `torch.ops.minivllm.int8_linear(x, q, scale)`, C++ operators that choose the product by the
@@ -38,13 +42,22 @@ import torch
 from minivllm import cpu_kernels
 
 # Rows up to which the products are the register-blocked ones (`kMaxGemvRows` in
-# csrc/quantized_blocks.h); more rows take the tiled product.
+# csrc/quantized_blocks.h); more rows take the tiled product, except that bfloat16 rows, up to
+# BF16_PAIRS_MAX_ROWS (`kMaxBf16Rows`), take the product that dequantizes a few columns at a
+# time into bfloat16 and multiplies them with every row, where the CPU has AVX512-BF16
+# (`multiplies_bfloat16_pairs`).
 GEMV_MAX_ROWS = 8
+BF16_PAIRS_MAX_ROWS = 64
 
 
 def available() -> bool:
     """Whether the C++ kernels built here (they share chapter 06's library)."""
     return cpu_kernels.load_kernels() is not None
+
+
+def multiplies_bfloat16_pairs() -> bool:
+    """Whether the kernels were built with AVX512-BF16's pair dot product (this CPU has it)."""
+    return available() and "-DMINIVLLM_AVX512_BF16" in cpu_kernels.compiler_flags()[1]
 
 
 def pack_int4_blocks(q: torch.Tensor) -> torch.Tensor:

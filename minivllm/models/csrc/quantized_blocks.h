@@ -21,6 +21,7 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kBlock = 32;                       // weights of one 16-byte int4 block
 constexpr int64_t kBlockVecs = kBlock / Vec::size();  // 2 with AVX512, 4 with AVX2
 constexpr int64_t kMaxGemvRows = 8;                  // rows whose accumulators fit in registers
+constexpr int64_t kMaxBf16Rows = 64;  // bfloat16 rows up to which int4 is multiplied in bfloat16 pairs
 
 // Ask for bytes [begin, end) into L2 ahead of their use (see `for_column_tiles`). Inlined by
 // force: GCC judges a function whose only work is prefetching to have no effect and deletes its
