@@ -22,7 +22,10 @@ Four decisions make one compilation serve every step, cheaply:
    fixed once it is built (weights packed or quantized before the first trace, never changed
    after), so the module guards are dropped (`skip_guard_on_all_nn_modules_unsafe`: "unsafe" for
    a model that changes under its graph, which this one does not); the guards on the inputs'
-   shapes, which pick the graph, stay.
+   shapes, which pick the graph, stay. For the same reason the generated code does not check
+   the size and strides of every argument on every call (`size_asserts=False`): it had 426
+   arguments (the weights included) and checked each one, about a quarter of the generated
+   code's own time in a batch-1 int4 step, to learn what the guards already knew.
 4. **The packed weights stay** (`models/linear.py`): products call oneDNN on the same packed
    weights as eager, so compiled and eager differ only in how the fused elementwise loops
    round (a few float32 ulps), and greedy tokens agree with transformers.
@@ -71,7 +74,10 @@ class CompiledModel:
             own_function(self._eager_forward),
             dynamic=None,
             fullgraph=True,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+            options={
+                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                "size_asserts": False,  # see the module docstring, 3.
+            },
         )
         self.compile_seconds = 0.0
 
