@@ -4,8 +4,8 @@ Chapter 06's paged attention (`attention/csrc/`) and chapter 12's int4/int8 prod
 (`models/csrc/`) are C++ sources compiled on the user's machine with the compiler that inductor
 needs anyway on a CPU, by `torch.utils.cpp_extension` and ninja: about a minute on two cores the
 first time, then loaded from the disk cache in well under a second. Their operators register as
-`torch.ops.minivllm_cpu.*`. Without a compiler, minivllm says so once and runs the PyTorch
-reference paths instead.
+`torch.ops.minivllm_cpu.*` (and chapter 12's two the model calls as `torch.ops.minivllm.*`).
+Without a compiler, minivllm says so once and runs the PyTorch reference paths instead.
 """
 
 from __future__ import annotations
