@@ -172,20 +172,6 @@ void bf16_gemv(at::Tensor& out, const at::Tensor& x, const Int4Weight<Scale>& we
 // from memory once. (A 6 x 4 tile: 10 loads for 24 dot products; 8 x 2 needed 10 for 16.)
 constexpr int64_t kTileColumns = 4, kTileRows = 6;  // 24 accumulators of 32 registers
 
-// The sums of the 16 lanes of each of four vectors, as one vector of 4: the four reductions share
-// their shuffles (11 instructions instead of 32). With K = 576 a product sums only 18 vectors
-// per output, so one reduction per output cost almost half as much as the products.
-inline __m128 sum_lanes_of_four(const __m512* v) {
-  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(v[0], v[1]), _mm512_unpackhi_ps(v[0], v[1]));
-  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(v[2], v[3]), _mm512_unpackhi_ps(v[2], v[3]));
-  // each 128-bit lane: partial sums of a, b, c, d in that order
-  const __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-                                    _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-  const __m512 halves = _mm512_add_ps(abcd, _mm512_shuffle_f32x4(abcd, abcd, 0x4E));  // lanes 0+2, 1+3
-  const __m512 all = _mm512_add_ps(halves, _mm512_shuffle_f32x4(halves, halves, 0xB1));  // + the other pair
-  return _mm512_castps512_ps128(all);
-}
-
 template <int64_t Rows, int64_t Cols>
 void bf16_rows_tile(const at::BFloat16* w, const at::BFloat16* x, int64_t k, at::BFloat16* out, int64_t n,
                     int64_t col) {
@@ -200,15 +186,8 @@ void bf16_rows_tile(const at::BFloat16* w, const at::BFloat16* x, int64_t k, at:
       for (int64_t c = 0; c < Cols; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)wv[c], (__m512bh)xv);
     }
   }
-  for (int64_t r = 0; r < Rows; ++r) {
-    if constexpr (Cols == 4) {
-      float sums[4];
-      _mm_storeu_ps(sums, sum_lanes_of_four(acc[r]));
-      for (int64_t c = 0; c < 4; ++c) out[r * n + col + c] = static_cast<at::BFloat16>(sums[c]);
-    } else {
-      for (int64_t c = 0; c < Cols; ++c) out[r * n + col + c] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[r][c]));
-    }
-  }
+  for (int64_t r = 0; r < Rows; ++r)
+    for (int64_t c = 0; c < Cols; ++c) out[r * n + col + c] = static_cast<at::BFloat16>(_mm512_reduce_add_ps(acc[r][c]));
 }
 
 template <typename Weight>
@@ -234,7 +213,8 @@ void bf16_rows(at::Tensor& out, const at::Tensor& x, const Weight& weight, int64
     std::vector<at::BFloat16> columns(kTileColumns * k);
     for (int64_t col = begin; col < end; col += kTileColumns) {
       const int64_t cols = std::min(kTileColumns, end - col);
-      weight.prefetch_columns(std::min(col + 8, end), std::min(col + 8 + cols, end));
+      const int64_t ahead = prefetch_distance(weight);
+      weight.prefetch_columns(std::min(col + ahead, end), std::min(col + ahead + cols, end));
       dequantize_columns_bf16(weight, col, cols, columns.data());
       for (int64_t row = 0; row < m; row += kTileRows) {
         with_row_count<kTileRows>(std::min(kTileRows, m - row), [&](auto rows_) {
