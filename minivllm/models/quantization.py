@@ -15,8 +15,9 @@ int8 gives each row of the weight one scale (its largest magnitude over 127); in
 levels, so one range per row would be too coarse: each group of 32 (or 64) weights along a row
 gets its own scale and minimum. That is llama.cpp's Q4_1 layout, the one the embedded model's
 GGUF file ships in (`load_gguf_linear_weights`), so minivllm can run the file's own 4-bit
-levels (with PyTorch's int4 kernels, each group's scale and zero rounded to the activations'
-dtype; see `Int4Weight`). These products are W4A16 and W8A16: the activations stay floats and
+levels (minivllm's kernels read its scales and minimums exactly; PyTorch's int4 kernels, where
+they serve, round each group's scale and zero to the activations' dtype; see `Int4Weight`).
+These products are W4A16 and W8A16: the activations stay floats and
 each weight is dequantized to a float before it multiplies. llama.cpp's CPU product of a Q4_1
 file is W4A8 instead, the activations quantized to int8 per block of 32 and multiplied as
 integers (`torch.ops.minivllm.int4_linear(..., int8_activations=True)` is that product, for
