@@ -238,5 +238,12 @@ def test_bad_calls_raise():
         kernels.w4a8_gemv(torch.empty(9, 8), torch.randn(9, 64), packed, scale, minimum)
     with pytest.raises(RuntimeError, match="x must be"):
         kernels.w8a8_gemv(out, torch.randn(2, 32), q8, scale8)
+    # Rows of the wrong width, whichever product their count chooses.
+    for rows in (2, cpu_quantized.BF16_PAIRS_MAX_ROWS, cpu_quantized.BF16_PAIRS_MAX_ROWS + 1):
+        narrow = torch.randn(rows, 32).bfloat16()
+        with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\]"):
+            torch.ops.minivllm.int4_linear(narrow, packed, scale, minimum)
+        with pytest.raises(RuntimeError, match=r"x must be \[rows, 64\]"):
+            torch.ops.minivllm.int8_linear(narrow, q8, scale8)
     with pytest.raises(ValueError, match="whole blocks"):
         cpu_quantized.pack_int4_blocks(torch.zeros(2, 48, dtype=torch.uint8))

@@ -4,11 +4,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
-
-#include <algorithm>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>

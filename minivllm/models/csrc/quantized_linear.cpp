@@ -208,23 +208,23 @@ void bf16_rows(at::Tensor& out, const at::Tensor& x, const Weight& weight, int64
   const at::Tensor values = x.contiguous();
   const auto* rows = values.data_ptr<at::BFloat16>();
   auto* dst = out.data_ptr<at::BFloat16>();
-  const int64_t m = x.size(0), k = weight.k;
+  const int64_t m = x.size(0), k = weight.k, ahead = prefetch_distance(weight);
   at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
     std::vector<at::BFloat16> columns(kTileColumns * k);
     for (int64_t col = begin; col < end; col += kTileColumns) {
       const int64_t cols = std::min(kTileColumns, end - col);
-      const int64_t ahead = prefetch_distance(weight);
       weight.prefetch_columns(std::min(col + ahead, end), std::min(col + ahead + cols, end));
       dequantize_columns_bf16(weight, col, cols, columns.data());
       for (int64_t row = 0; row < m; row += kTileRows) {
         with_row_count<kTileRows>(std::min(kTileRows, m - row), [&](auto rows_) {
           constexpr int64_t Rows = decltype(rows_)::value;
           const at::BFloat16* x_rows = rows + row * k;
-          int64_t c = 0;  // the columns in fours, the last ones one at a time
-          for (; cols == kTileColumns && c == 0; c += kTileColumns)
+          if (cols == kTileColumns) {
             bf16_rows_tile<Rows, kTileColumns>(columns.data(), x_rows, k, dst + row * n, n, col);
-          for (; c < cols; ++c)
-            bf16_rows_tile<Rows, 1>(columns.data() + c * k, x_rows, k, dst + row * n, n, col + c);
+          } else {  // the last columns of a thread's run, one at a time
+            for (int64_t c = 0; c < cols; ++c)
+              bf16_rows_tile<Rows, 1>(columns.data() + c * k, x_rows, k, dst + row * n, n, col + c);
+          }
         });
       }
     }
@@ -307,7 +307,8 @@ at::Tensor tiled_linear(const at::Tensor& x, int64_t n, int64_t tile_rows, Dequa
 // 120 calls a step) was a tenth of a batch-1 step.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const at::Tensor& minimum, bool int8_activations, int64_t tile_rows) {
-  TORCH_CHECK(x.dim() == 2, "x must be [rows, K], got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == packed.size(1) * 2, "x must be [rows, ", packed.size(1) * 2,
+              "], got ", x.sizes());
   if (x.size(0) <= kMaxGemvRows) {
     at::Tensor out = at::empty({x.size(0), packed.size(0)}, x.options());
     (int8_activations ? w4a8_gemv : int4_gemv)(out, x, packed, scale, minimum);
@@ -317,9 +318,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   if (x.scalar_type() == at::kBFloat16 && x.size(0) <= kMaxBf16Rows) {
     at::Tensor out = at::empty({x.size(0), packed.size(0)}, x.options());
     DISPATCH_SCALE_TYPES(scale.scalar_type(), "int4 rows", [&] {
-      const auto weight = int4_weight<scalar_t>(packed, scale, minimum);
-      TORCH_CHECK(x.size(1) == weight.k, "x must be [rows, ", weight.k, "], got ", x.sizes());
-      bf16_rows(out, x, weight, packed.size(0));
+      bf16_rows(out, x, int4_weight<scalar_t>(packed, scale, minimum), packed.size(0));
     });
     return out;
   }
@@ -330,7 +329,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, bool int8_activations,
                        int64_t tile_rows) {
-  TORCH_CHECK(x.dim() == 2, "x must be [rows, K], got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == q.size(1), "x must be [rows, ", q.size(1), "], got ", x.sizes());
   if (x.size(0) <= kMaxGemvRows) {
     at::Tensor out = at::empty({x.size(0), q.size(0)}, x.options());
     (int8_activations ? w8a8_gemv : int8_gemv)(out, x, q, scale);
@@ -339,9 +338,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 #if defined(MINIVLLM_AVX512_BF16)
   if (x.scalar_type() == at::kBFloat16 && x.size(0) <= kMaxBf16Rows) {
     at::Tensor out = at::empty({x.size(0), q.size(0)}, x.options());
-    const Int8Weight weight = int8_weight(q, scale);
-    TORCH_CHECK(x.size(1) == weight.k, "x must be [rows, ", weight.k, "], got ", x.sizes());
-    bf16_rows(out, x, weight, q.size(0));
+    bf16_rows(out, x, int8_weight(q, scale), q.size(0));
     return out;
   }
 #endif
