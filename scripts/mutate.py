@@ -59,9 +59,10 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
         ["minivllm/core/*.py"],
         [
             "tests/test_request.py",
+            # The scheduler's own tests, with a stand-in runner (chapter 04's engine tests
+            # run it with a model, minutes per mutant: the engine group has them).
+            "tests/test_scheduler.py",
             "tests/test_ch03_paged.py",
-            # The scheduler is chapter 04's: its tests run it in an engine.
-            "tests/test_ch04_engine.py",
             "tests/test_ch05_prefix_cache.py",
         ],
     ),
@@ -115,6 +116,10 @@ _IN_RANGE = (
     "a bound of the levels' clamp dropped: round(w / scale) is within them by construction"
     " (the largest |w| or the group's range is the scale times 127 or 15, rounding absorbs the"
     " last bit, and a replaced scale of 1 leaves only zeros)"
+)
+_INT64_SHIFTS = (
+    "the shift amounts as int64 instead of int32: the int32 words are promoted to int64 with"
+    " their sign, and bit j (the sign bit too) is read the same after a shift by j"
 )
 EQUIVALENT: dict[str, str] = {
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_34": _ON_THE_CPU,
@@ -276,6 +281,44 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.core.kv_cache_manager.xǁKVCacheManagerǁfree_tail__mutmut_7": (
         "keep < len(table) -> keep <= len(table): with keep == len(table) there is no block past"
         " it, and freeing none changes nothing"
+    ),
+    "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_2": _SAME_AXIS,
+    "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_7": _DEVICE,
+    "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_10": _DEVICE,
+    "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_16": _DEVICE,
+    "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_26": _DEVICE,
+    "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_28": _DEVICE,
+    "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_37": _MINUS_INF,
+    "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_6": _INT64_SHIFTS,
+    "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_9": _INT64_SHIFTS,
+    "minivllm.structured_output.manager.xǁStructuredOutputManagerǁshutdown__mutmut_1": (
+        "shutdown(wait=False) -> wait=None: the executor reads it as a truth value, and None"
+        " is false"
+    ),
+    "minivllm.structured_output.emptiness.x_matches_a_finite_string__mutmut_47": (
+        "changed = False -> None: the loop reads it as a truth value only, and None is false"
+    ),
+    "minivllm.core.scheduler.xǁSchedulerǁschedule__mutmut_109": (
+        "admitted.append(request) -> append(None): the list is only counted (len), and None"
+        " counts as one"
+    ),
+    "minivllm.core.scheduler.xǁSchedulerǁschedule__mutmut_124": (
+        "check_invariants(num_admitted=None): the rule 'no admission in a step that preempted'"
+        " is then never checked, but schedule() keeps it by construction (its admission loop"
+        " stops at the first preemption), so the check never fires either way"
+    ),
+    "minivllm.core.prefix_cache.x_hash_block__mutmut_5": (
+        "pickle's protocol 5 -> the default protocol: other bytes are hashed, but equal"
+        " blocks still get equal names and different blocks different ones within a process;"
+        " the protocol is pinned so that the names do not change with Python's default"
+    ),
+    "minivllm.core.prefix_cache.xǁPrefixCacheǁcache_full_blocks__mutmut_8": (
+        "num_full <= len(hashes) -> <: with as many hashes as full blocks the function goes"
+        " on, hashes no block and names none (both ranges are empty)"
+    ),
+    "minivllm.core.prefix_cache.xǁPrefixCacheǁcache_full_blocks__mutmut_36": (
+        "range(first_new, num_full) -> range(num_full): the blocks named at earlier steps are"
+        " inserted again, which insert() ignores (it keeps the first name)"
     ),
     "minivllm.core.scheduler.xǁSpecDecodeStatsǁrecord__mutmut_8": (
         "len < num_draft_tokens -> len <= num_draft_tokens: at equal lengths the list grows by"

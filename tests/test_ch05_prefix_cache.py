@@ -327,6 +327,28 @@ def test_a_block_shared_by_two_requests_is_free_only_when_both_are_done():
     assert manager.num_free_blocks == manager.num_blocks
 
 
+def test_each_full_block_is_hashed_once_while_a_request_runs(monkeypatch):
+    """A request computing one token a step for 10 steps fills 5 blocks of 2: each is hashed
+    once, when it fills (a step hashes only the blocks that just filled), and each is named."""
+    import minivllm.core.prefix_cache as prefix_cache
+
+    hashed = []
+    original = prefix_cache.hash_block
+
+    def counting_hash_block(parent, token_ids, extra_keys=()):
+        hashed.append(tuple(token_ids))
+        return original(parent, token_ids, extra_keys)
+
+    monkeypatch.setattr(prefix_cache, "hash_block", counting_hash_block)
+    manager = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
+    request = FakeRequest("a", list(range(1, 11)))
+    assert manager.allocate_slots("a", 10)
+    for num_tokens in range(1, 11):
+        computed(manager, request, num_tokens)
+    assert hashed == [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10)]
+    assert sorted(manager.prefix_cache.hash_of_block) == sorted(manager.block_tables["a"])
+
+
 def test_with_caching_off_nothing_is_found_or_named():
     """enable_prefix_caching=False: no lookups hit, no block gets a name."""
     manager = KVCacheManager(num_blocks=8, block_size=2, enable_prefix_caching=False)

@@ -14,6 +14,7 @@ import json
 import re
 import threading
 from concurrent.futures import Future
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -27,6 +28,7 @@ from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.structured_output.emptiness import matches_a_finite_string
 from minivllm.structured_output.manager import (
+    CompiledGrammarCache,
     StructuredOutputManager,
     apply_token_bitmasks,
     compile_failure,
@@ -399,6 +401,84 @@ def test_compiled_grammars_are_evicted_beyond_the_cache_budget(tokenizer):
         assert again.accept(token)
 
 
+def finished_compile(size_bytes: int) -> Future:
+    """A stand-in for a finished compile, with xgrammar's count of its bytes."""
+    compiled = Future()
+    compiled.set_result(SimpleNamespace(memory_size_bytes=size_bytes))
+    return compiled
+
+
+def test_the_cache_keeps_to_its_budget_to_the_byte():
+    """Budget 300: three compiles of 100 fill it exactly and all stay; a fourth evicts the
+    least recently used one only; one byte over evicts one more; reading a key makes it the
+    most recently used. The held size is always the sum of the compiles held."""
+    cache = CompiledGrammarCache(limit_bytes=300)
+    for key in "abc":
+        cache.put(key, finished_compile(100))
+    assert [k for k in "abc" if k in cache] == ["a", "b", "c"] and cache.size_bytes == 300
+    cache.put("d", finished_compile(100))
+    assert [k for k in "abcd" if k in cache] == ["b", "c", "d"] and cache.size_bytes == 300
+    assert cache.get("b") is not None  # now c is the least recently used
+    cache.put("e", finished_compile(1))
+    assert [k for k in "abcde" if k in cache] == ["b", "d", "e"] and cache.size_bytes == 201
+
+
+def test_a_running_compile_is_kept_and_a_failed_one_dropped_with_the_others_counted():
+    """Compiles still running have no size and are never evicted. Once they finish, the next
+    look counts them all at once: the failed one is dropped (its spec compiles again next
+    time) and the ones after it are counted, here over budget, so the oldest goes."""
+    cache = CompiledGrammarCache(limit_bytes=150)
+    failing, first, second = Future(), Future(), Future()
+    for key, compiled in [("bad", failing), ("x", first), ("y", second)]:
+        cache.put(key, compiled)
+    assert len(cache) == 3 and cache.size_bytes == 0
+    failing.set_exception(RuntimeError("no rule"))
+    first.set_result(SimpleNamespace(memory_size_bytes=100))
+    second.set_result(SimpleNamespace(memory_size_bytes=100))
+    assert cache.get("y") is second
+    assert "bad" not in cache and "x" not in cache and cache.size_bytes == 100
+
+
+def test_one_compile_thread_and_shutdown_cancels_the_queue_without_waiting(tokenizer):
+    """Compiles run one at a time on one thread named "grammar" (a slow compile must not take
+    more than one core from the engine's steps). Shutdown cancels the compiles still queued
+    and returns without waiting for the running one. xgrammar's own compile cache stays off:
+    ours is the only copy."""
+    manager = StructuredOutputManager(tokenizer, len(tokenizer))
+    compile_grammar = manager.compiler.compile_grammar
+    release, threads = threading.Event(), []
+
+    def blocking_compile(grammar):
+        threads.append(threading.current_thread().name)
+        release.wait(timeout=30)
+        return compile_grammar(grammar)
+
+    manager.compiler.compile_grammar = blocking_compile
+    running = manager.grammar_for(StructuredOutputsParams(choice=["a", "b"]))._compiled
+    queued = manager.grammar_for(StructuredOutputsParams(choice=["c", "d"]))._compiled
+    while not threads:  # the first compile has started
+        release.wait(timeout=0.01)
+    manager.shutdown()
+    assert queued.cancelled() and not running.done()
+    release.set()
+    running.result(timeout=30)
+    assert threads == ["grammar_0"] and manager.num_compiles == 2
+    assert manager.compiler.get_cache_size_bytes() == 0
+
+
+def test_vocabulary_rows_past_the_tokenizers_are_never_allowed(tokenizer):
+    """A model's vocabulary may be padded past its tokenizer's (embedding rows no token
+    spells): the masks cover the model's width and never allow a padded row."""
+    vocab_size = len(tokenizer) + 40
+    manager = StructuredOutputManager(tokenizer, vocab_size)
+    masks = manager.grammar_for(StructuredOutputsParams(json_object=True)).token_bitmasks([])
+    assert masks.shape == (1, -(-vocab_size // 32))
+    logits = torch.zeros(1, vocab_size)
+    apply_token_bitmasks(logits, [0], masks)
+    assert logits[0, len(tokenizer) :].eq(float("-inf")).all()
+    assert logits[0, : len(tokenizer)].isfinite().any()
+
+
 def test_the_grammar_cache_budget_defaults_to_vllms(tokenizer, monkeypatch):
     assert StructuredOutputManager(tokenizer, len(tokenizer)).cache.limit_bytes == 512 * 2**20
     monkeypatch.setenv("VLLM_XGRAMMAR_CACHE_MB", "64")
@@ -454,6 +534,13 @@ def test_a_grammar_matches_a_finite_string_when_some_way_through_it_ends(grammar
     import xgrammar
 
     assert matches_a_finite_string(xgrammar.Grammar.from_ebnf(grammar)) == GRAMMARS[grammar]
+
+
+def test_a_grammar_in_a_format_the_check_does_not_know_is_let_through():
+    """The check reads xgrammar's serialized form; a version it was not written for is not
+    judged (xgrammar's own compile then decides), never refused by mistake."""
+    unknown = SimpleNamespace(serialize_json=lambda: json.dumps({"__VERSION__": "v-next"}))
+    assert matches_a_finite_string(unknown)
 
 
 @pytest.mark.parametrize("grammar", GRAMMARS)

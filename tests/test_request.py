@@ -31,7 +31,7 @@ class LetterTokenizer:
         return "".join(LETTERS[i] for i in token_ids)
 
 
-def make_request(params: SamplingParams, max_model_len: int = 64) -> Request:
+def make_request(params: SamplingParams, max_model_len: int = 64, index: int = 0) -> Request:
     return Request.create(
         request_id="r",
         prompt=None,
@@ -40,6 +40,7 @@ def make_request(params: SamplingParams, max_model_len: int = 64) -> Request:
         tokenizer=LetterTokenizer(),
         eos_token_ids=(EOS,),
         max_model_len=max_model_len,
+        index=index,
     )
 
 
@@ -118,7 +119,8 @@ def test_a_request_stops_exactly_where_the_rules_say(
     appended = append_until_finished(request, token_ids)
 
     expected = expected_finish(token_ids, min_tokens, params.max_tokens, ignore_eos, stop)
-    got = (appended, request.finish_reason, request.stop_reason) if request.is_finished else None
+    output = request.completion_output()  # what the user reads
+    got = (appended, output.finish_reason, output.stop_reason) if request.is_finished else None
     assert got == expected, (
         f"finished as {got}, expected {expected} (tokens appended, finish_reason, stop_reason) "
         f"for outputs {token_ids}, min_tokens={min_tokens}, max_tokens={params.max_tokens}, "
@@ -147,6 +149,12 @@ def test_each_tokens_logprobs_are_recorded_with_its_text_and_summed(detokenize):
     output = request.completion_output()
     assert (output.logprobs, output.cumulative_logprob) == (request.logprobs, -2.5)
     assert output.text == ("de" if detokenize else "")
+
+
+def test_completion_i_of_n_reports_its_index():
+    request = make_request(SamplingParams(n=3, max_tokens=1), index=2)
+    request.append_token(3)
+    assert request.completion_output().index == 2
 
 
 def test_an_error_ends_the_request_alone_with_its_message():

@@ -325,13 +325,11 @@ class Scheduler:
     def _draft_room(self, request: Request, drafts: list[int]) -> list[int]:
         """Chapter 08: the drafts the request can still use. A step emits the accepted drafts
         plus one token, so at most max_tokens - output - 1 drafts (never more tokens than
-        asked) and none past the context. With a grammar (chapter 10), none past the first
-        draft it forbids; a draft drawn from a draft model's q is kept there too, to be
-        rejected by the verifier (`RequestGrammar.valid_drafts` says why)."""
-        room = min(
-            request.max_tokens - len(request.output_token_ids),
-            request.max_model_len - request.num_tokens,
-        )
+        asked), which is also none past the context (`Request.max_tokens` ends there). With a
+        grammar (chapter 10), none past the first draft it forbids; a draft drawn from a draft
+        model's q is kept there too, to be rejected by the verifier
+        (`RequestGrammar.valid_drafts` says why)."""
+        room = request.max_tokens - len(request.output_token_ids)
         drafts = drafts[: max(0, room - 1)]
         if request.grammar is not None and drafts:
             sampled = self.config.drafts_are_sampled and not request.params.is_greedy

@@ -125,7 +125,8 @@ class CompiledGrammarCache:
 
     def _settle(self) -> None:
         """Count the compiles that finished since last time, then evict down to the budget."""
-        for key in [key for key in self._running if self._compiles[key].done()]:
+        finished = [k for k in self._compiles if k in self._running and self._compiles[k].done()]
+        for key in finished:
             self._running.discard(key)
             if compile_failure(self._compiles[key]) is not None:
                 del self._compiles[key]
@@ -251,11 +252,9 @@ class RequestGrammar:
             if not self.matcher.accept_token(token):
                 break  # the forbidden last draft
             accepted += 1
-        if accepted < len(draft_token_ids) or self.matcher.is_terminated():
-            # After a forbidden draft, or after the end of the sequence, what the target
-            # samples is dropped: allow everything, so the row is well formed.
-            bitmasks[accepted + 1 :] = -1
-        else:
+        # The rows after a forbidden draft, or after the end of the sequence, keep the
+        # all-allowed mask they were allocated with: what the target samples there is dropped.
+        if accepted == len(draft_token_ids) and not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(bitmasks, len(draft_token_ids))
         self.matcher.rollback(accepted)
         return bitmasks
