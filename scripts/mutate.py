@@ -307,6 +307,11 @@ EQUIVALENT: dict[str, str] = {
         " is then never checked, but schedule() keeps it by construction (its admission loop"
         " stops at the first preemption), so the check never fires either way"
     ),
+    "minivllm.core.scheduler.xǁSchedulerǁupdate_from_output__mutmut_32": (
+        "continue -> break after a prefill chunk that stops mid-prompt: such a chunk is always"
+        " the last grant of its step (a grant stops short of a request's end only when it"
+        " takes the whole remaining budget), so no request is left after it"
+    ),
     "minivllm.core.prefix_cache.x_hash_block__mutmut_5": (
         "pickle's protocol 5 -> the default protocol: other bytes are hashed, but equal"
         " blocks still get equal names and different blocks different ones within a process;"

@@ -27,7 +27,7 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus
-from minivllm.core.scheduler import Scheduler, SchedulerConfig, SpecDecodeStats
+from minivllm.core.scheduler import Scheduler, SchedulerConfig
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.outputs import ModelRunnerOutput
 
@@ -673,18 +673,6 @@ def test_metrics_follow_the_engine(tiny_dir):
         len(o.outputs[0].token_ids) for o in outputs.values()
     )
     assert final["vllm:num_preemptions"] == 0
-
-
-def test_the_spec_decode_counters_add_up_per_step_and_per_position():
-    """Chapter 08's counters, which the scheduler keeps: verification steps, draft tokens,
-    accepted tokens, and at each draft position how many drafts were kept there (the list
-    grows with the longest draft seen)."""
-    stats = SpecDecodeStats()
-    stats.record(3, 2)
-    stats.record(5, 5)
-    stats.record(2, 0)
-    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 10, 7)
-    assert stats.accepted_per_position == [2, 2, 1, 1, 1]
 
 
 # --- bad input at the engine level -------------------------------------------------------------

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus
-from minivllm.core.scheduler import Scheduler, SchedulerConfig
+from minivllm.core.scheduler import Scheduler, SchedulerConfig, SpecDecodeStats
 from minivllm.core.scheduler_output import SchedulerOutput
 from minivllm.outputs import Logprob, ModelRunnerOutput, PromptLogprobsChunk
 from minivllm.sample.sampler import TokenLogprobs
@@ -297,20 +297,33 @@ def test_drafts_never_outrun_max_tokens_or_the_context(max_tokens, max_model_len
     assert request.spec_token_ids == [11, 12, 13, 14, 15, 16][:kept]
 
 
+def test_the_spec_decode_counters_add_up_per_step_and_per_position():
+    """Chapter 08's counters, which the scheduler keeps: verification steps, draft tokens,
+    accepted tokens, and at each draft position how many drafts were kept there (the list
+    grows with the longest draft seen)."""
+    stats = SpecDecodeStats()
+    stats.record(3, 2)
+    stats.record(5, 5)
+    stats.record(2, 0)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 10, 7)
+    assert stats.accepted_per_position == [2, 2, 1, 1, 1]
+
+
 class StandInGrammar:
     """A grammar that allows every token and keeps the first two drafts, recording how the
-    scheduler asked."""
+    scheduler asked; its "mask" names the drafts it was made for."""
 
-    is_ready, compile_error, is_terminated = True, None, False
+    compile_error, is_terminated = None, False
 
-    def __init__(self):
+    def __init__(self, is_ready: bool = True):
+        self.is_ready = is_ready
         self.asked: list[tuple[list[int], bool]] = []
 
     def accept(self, token_id: int) -> bool:
         return True
 
-    def token_bitmasks(self, draft_token_ids: list[int]) -> None:
-        return None
+    def token_bitmasks(self, draft_token_ids: list[int]) -> tuple:
+        return ("mask after", tuple(draft_token_ids))
 
     def valid_drafts(self, draft_token_ids: list[int], keep_forbidden: bool = False):
         self.asked.append((list(draft_token_ids), keep_forbidden))
@@ -335,6 +348,60 @@ def test_a_grammar_cuts_the_drafts_and_keeps_a_forbidden_one_only_when_sampled(
     run_step(scheduler, spec_token_ids={"a": [11, 12, 13]})
     assert grammar.asked == [([11, 12, 13], keep_forbidden)]
     assert request.spec_token_ids == [11, 12]
+
+
+def test_a_grammar_mask_goes_with_every_step_that_samples_and_only_those():
+    """A 6-token prompt in chunks of 4: the first chunk samples nothing and gets no mask; the
+    step that reaches the end gets the mask for its sampled row; a decode with drafts gets
+    the masks made for those drafts."""
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    request = make_request("a", prompt_len=6, max_tokens=16)
+    request.grammar = StandInGrammar()
+    scheduler.add_request(request)
+    assert run_step(scheduler).grammar_bitmasks == {}
+    assert run_step(scheduler, spec_token_ids={"a": [11, 12]}).grammar_bitmasks == {
+        "a": ("mask after", ())
+    }
+    assert scheduler.schedule().grammar_bitmasks == {"a": ("mask after", (11, 12))}
+
+
+def test_a_request_whose_grammar_is_compiling_waits_without_holding_up_the_others():
+    scheduler = make_scheduler()
+    compiling, free = make_request("compiling"), make_request("free")
+    compiling.grammar = StandInGrammar(is_ready=False)
+    add_all(scheduler, compiling, free)
+    assert scheduler.schedule().num_scheduled_tokens == {"free": 4}
+    assert list(scheduler.waiting) == [compiling]
+
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits_for_the_next_step():
+    scheduler = make_scheduler(max_num_batched_tokens=4, enable_chunked_prefill=False)
+    second = make_request("b", prompt_len=3)
+    add_all(scheduler, make_request("a", prompt_len=3), second)
+    assert scheduler.schedule().num_scheduled_tokens == {"a": 3}
+    assert list(scheduler.waiting) == [second]
+
+
+def test_a_new_request_is_sent_to_the_runner_whole_once_then_as_changes():
+    scheduler = make_scheduler()
+    request = make_request("a", prompt_len=5)
+    scheduler.add_request(request)
+    (new,) = run_step(scheduler).scheduled_new_reqs
+    assert (new.req_id, new.prompt_token_ids, new.sampling_params) == (
+        "a",
+        request.prompt_token_ids,
+        request.params,
+    )
+    assert (new.eos_token_ids, new.num_computed_tokens) == ((0,), 0)
+    assert new.block_ids == scheduler.kv_cache_manager.block_tables["a"] and len(new.block_ids) == 2
+    output = scheduler.schedule()
+    (cached,) = output.scheduled_cached_reqs
+    assert not output.scheduled_new_reqs
+    assert (cached.new_token_ids, cached.new_block_ids, cached.num_computed_tokens) == (
+        [SAMPLED],
+        [],
+        5,
+    )
 
 
 # --- what the runner reports ------------------------------------------------------------------
