@@ -157,6 +157,42 @@ def test_completion_i_of_n_reports_its_index():
     assert request.completion_output().index == 2
 
 
+class GrammarForbidding:
+    """A stand-in grammar that forbids one token and allows the rest."""
+
+    is_terminated = False
+
+    def __init__(self, forbidden: int):
+        self.forbidden = forbidden
+
+    def accept(self, token_id: int) -> bool:
+        return token_id != self.forbidden
+
+
+def test_a_token_the_grammar_forbids_ends_the_request_without_being_recorded():
+    request = make_request(SamplingParams(max_tokens=10))
+    request.grammar = GrammarForbidding(4)
+    request.append_token(3)
+    request.append_token(4)
+    assert request.output_token_ids == [3]
+    assert (request.finish_reason, request.error) == (
+        "error",
+        "token 4 was emitted although the grammar forbids it",
+    )
+
+
+def test_the_first_token_and_the_end_are_timed_once():
+    """first_token_time is stamped by the first token only, finished_time by the last."""
+    request = make_request(SamplingParams(max_tokens=3))
+    request.append_token(3)
+    first = request.metrics.first_token_time
+    assert first is not None and request.metrics.finished_time is None
+    request.append_token(3)
+    assert request.metrics.first_token_time == first and request.metrics.finished_time is None
+    request.append_token(3)
+    assert request.metrics.finished_time is not None and request.metrics.finished_time >= first
+
+
 def test_an_error_ends_the_request_alone_with_its_message():
     request = make_request(SamplingParams())
     request.append_token(3)

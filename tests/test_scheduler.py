@@ -130,8 +130,12 @@ def test_an_admitted_request_is_running_from_its_first_step():
     run_step(scheduler)  # both need a second block, one is free: b, the newest, gives way
     assert b.status == RequestStatus.WAITING and b.num_preemptions == 1
     while b.status != RequestStatus.RUNNING:
-        run_step(scheduler)
+        output = run_step(scheduler)
     assert b.metrics.first_scheduled_time == first_time
+    # The runner saw b before: it comes back as a cached request with a whole new table.
+    (resumed,) = [c for c in output.scheduled_cached_reqs if c.req_id == "b"]
+    assert resumed.resumed_from_preemption and resumed.num_kept_block_ids == 0
+    assert resumed.new_block_ids == scheduler.kv_cache_manager.block_tables["b"]
 
 
 # --- preemption -----------------------------------------------------------------------------
@@ -365,8 +369,9 @@ def test_a_grammar_mask_goes_with_every_step_that_samples_and_only_those():
     assert scheduler.schedule().grammar_bitmasks == {"a": ("mask after", (11, 12))}
 
 
-def test_a_request_whose_grammar_is_compiling_waits_without_holding_up_the_others():
-    scheduler = make_scheduler()
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_request_whose_grammar_is_compiling_waits_without_holding_up_the_others(policy):
+    scheduler = make_scheduler(policy=policy)
     compiling, free = make_request("compiling"), make_request("free")
     compiling.grammar = StandInGrammar(is_ready=False)
     add_all(scheduler, compiling, free)
@@ -474,7 +479,61 @@ def test_a_request_whose_grammar_failed_ends_alone_and_the_next_one_runs():
     assert "bad" not in scheduler.schedule().finished_req_ids
 
 
+def broken_step(rule: str) -> tuple[Scheduler, SchedulerOutput, int]:
+    """A scheduler with a and b running (4-token prompts, one block each, budget 8, two
+    seats), and a step that breaks `rule`: (scheduler, output, number admitted)."""
+    scheduler = make_scheduler(max_num_batched_tokens=8, max_num_seqs=2)
+    add_all(scheduler, make_request("a"), make_request("b"))
+    scheduler.schedule()  # a and b are running, nothing computed yet
+    grants = {
+        "budget": {"a": 4, "b": 5},
+        "empty grant": {"a": 4, "b": 0},
+        "past its tokens": {"a": 5},
+        "past its blocks": {"a": 4},
+    }
+    output = SchedulerOutput(num_scheduled_tokens=grants.get(rule, {"a": 4}))
+    admitted = 0
+    if rule == "seats":
+        scheduler.running.append(make_request("c"))
+    if rule == "admitted after a preemption":
+        output.preempted_req_ids, admitted = ["b"], 1
+    if rule == "past its blocks":
+        scheduler.kv_cache_manager.free_tail("a", 0)  # a's only block taken away
+    return scheduler, output, admitted
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        ("budget", "granted 9 tokens, the budget is 8"),
+        ("seats", "3 requests running, max_num_seqs is 2"),
+        ("empty grant", "an empty grant"),
+        ("admitted after a preemption", "admitted 1 waiting request"),
+        ("past its tokens", "a granted past its tokens"),
+        ("past its blocks", "a runs to token 4 with only 0 blocks"),
+    ],
+)
+def test_each_broken_rule_of_a_step_is_caught(rule, message):
+    """The scheduler checks its own output every step; each rule, broken on purpose, raises
+    with a message that names it (and a correct step passes)."""
+    scheduler, output, admitted = broken_step(rule)
+    with pytest.raises(AssertionError, match=message):
+        scheduler.check_invariants(output, num_admitted=admitted)
+    healthy, output, _ = broken_step("none")
+    healthy.check_invariants(output, num_admitted=0)
+
+
 # --- the bookkeeping --------------------------------------------------------------------------
+
+
+def test_the_priority_policy_runs_the_lowest_value_first():
+    scheduler = make_scheduler(max_num_seqs=1, policy="priority")
+    add_all(
+        scheduler,
+        *(make_request(rid, max_tokens=1, priority=p) for rid, p in zip("xyz", [2, 0, 1])),
+    )
+    order = [next(iter(run_step(scheduler).num_scheduled_tokens)) for _ in range(3)]
+    assert order == ["y", "z", "x"]
 
 
 def test_priority_ties_run_in_arrival_order():
