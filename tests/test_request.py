@@ -157,21 +157,22 @@ def test_completion_i_of_n_reports_its_index():
     assert request.completion_output().index == 2
 
 
-class GrammarForbidding:
-    """A stand-in grammar that forbids one token and allows the rest."""
+class StandInGrammar:
+    """A grammar that forbids one token, allows the rest, and is complete once it has taken
+    its end token."""
 
-    is_terminated = False
-
-    def __init__(self, forbidden: int):
-        self.forbidden = forbidden
+    def __init__(self, forbidden: int = -1, end: int = -1):
+        self.forbidden, self.end = forbidden, end
+        self.is_terminated = False
 
     def accept(self, token_id: int) -> bool:
+        self.is_terminated = token_id == self.end
         return token_id != self.forbidden
 
 
 def test_a_token_the_grammar_forbids_ends_the_request_without_being_recorded():
     request = make_request(SamplingParams(max_tokens=10))
-    request.grammar = GrammarForbidding(4)
+    request.grammar = StandInGrammar(forbidden=4)
     request.append_token(3)
     request.append_token(4)
     assert request.output_token_ids == [3]
@@ -179,6 +180,14 @@ def test_a_token_the_grammar_forbids_ends_the_request_without_being_recorded():
         "error",
         "token 4 was emitted although the grammar forbids it",
     )
+
+
+def test_a_complete_grammar_stops_the_request_even_before_min_tokens():
+    request = make_request(SamplingParams(min_tokens=5, max_tokens=10))
+    request.grammar = StandInGrammar(end=EOS)
+    request.append_token(3)
+    request.append_token(EOS)
+    assert (request.finish_reason, request.output_token_ids) == ("stop", [3, EOS])
 
 
 def test_the_first_token_and_the_end_are_timed_once():
@@ -191,6 +200,7 @@ def test_the_first_token_and_the_end_are_timed_once():
     assert request.metrics.first_token_time == first and request.metrics.finished_time is None
     request.append_token(3)
     assert request.metrics.finished_time is not None and request.metrics.finished_time >= first
+    assert request.metrics.num_generation_tokens == 3
 
 
 def test_an_error_ends_the_request_alone_with_its_message():
