@@ -151,6 +151,15 @@ def test_each_tokens_logprobs_are_recorded_with_its_text_and_summed(detokenize):
     assert output.text == ("de" if detokenize else "")
 
 
+def test_a_new_request_keeps_its_prompt_and_a_seeded_one_its_own_generator():
+    seeded = Request.create(
+        "s", "cd", [2, 3], SamplingParams(seed=7), LetterTokenizer(), (EOS,), 64
+    )
+    assert (seeded.prompt, seeded.index, seeded.metrics.num_prompt_tokens) == ("cd", 0, 2)
+    assert seeded.generator is not None and seeded.generator.initial_seed() == 7
+    assert make_request(SamplingParams()).generator is None
+
+
 def test_completion_i_of_n_reports_its_index():
     request = make_request(SamplingParams(n=3, max_tokens=1), index=2)
     request.append_token(3)
