@@ -121,6 +121,12 @@ _INT64_SHIFTS = (
     "the shift amounts as int64 instead of int32: the int32 words are promoted to int64 with"
     " their sign, and bit j (the sign bit too) is read the same after a shift by j"
 )
+_PICKLE_PROTOCOL = (
+    "pickle's protocol 5 -> the default protocol (None, or no argument): other bytes are"
+    " hashed, but equal blocks still get equal names and different blocks different ones"
+    " within a process; the protocol is pinned so that names do not change with Python's"
+    " default"
+)
 EQUIVALENT: dict[str, str] = {
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_34": _ON_THE_CPU,
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_39": (
@@ -312,11 +318,18 @@ EQUIVALENT: dict[str, str] = {
         " the last grant of its step (a grant stops short of a request's end only when it"
         " takes the whole remaining budget), so no request is left after it"
     ),
-    "minivllm.core.prefix_cache.x_hash_block__mutmut_5": (
-        "pickle's protocol 5 -> the default protocol: other bytes are hashed, but equal"
-        " blocks still get equal names and different blocks different ones within a process;"
-        " the protocol is pinned so that the names do not change with Python's default"
+    "minivllm.core.kv_cache_manager.xǁBlockPoolǁallocate__mutmut_6": (
+        "popitem(last=False) -> last=None: OrderedDict reads it as a truth value, and None is"
+        " false (the head of the queue either way)"
     ),
+    "minivllm.core.kv_cache_manager.xǁBlockPoolǁallocate__mutmut_14": (
+        "touched[block] = 1 -> 2: the mark is only read as a truth value"
+    ),
+    "minivllm.core.kv_cache_manager.xǁBlockPoolǁfree__mutmut_9": (
+        'free_queue[block] = None -> "": the queue is an ordered set, its values are never read'
+    ),
+    "minivllm.core.prefix_cache.x_hash_block__mutmut_3": _PICKLE_PROTOCOL,
+    "minivllm.core.prefix_cache.x_hash_block__mutmut_5": _PICKLE_PROTOCOL,
     "minivllm.core.prefix_cache.xǁPrefixCacheǁcache_full_blocks__mutmut_8": (
         "num_full <= len(hashes) -> <: with as many hashes as full blocks the function goes"
         " on, hashes no block and names none (both ranges are empty)"

@@ -290,9 +290,35 @@ def test_allocating_more_blocks_than_free_raises():
     """The pool never hands out a block it does not have."""
     pool = BlockPool(3)
     pool.allocate(2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="asked for 2 blocks, only 1 are free"):
         pool.allocate(2)
     assert pool.num_free_blocks == 1
+
+
+def test_a_pool_or_block_of_nothing_is_refused_by_name():
+    with pytest.raises(ValueError, match="needs at least one block, got num_blocks=0"):
+        BlockPool(0)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        KVCacheManager(num_blocks=4, block_size=0)
+
+
+def test_chapter_03s_manager_caches_no_prefix_unless_asked():
+    assert KVCacheManager(num_blocks=4, block_size=4).prefix_cache is None
+
+
+def test_blocks_touched_counts_each_block_once_however_often_reused():
+    """Chapter 12's measure of resident KV memory: a block counts from its first hand-out
+    on; freeing and taking it again adds nothing."""
+    pool = BlockPool(4)
+    first = pool.allocate(2)
+    assert pool.num_blocks_touched == 2
+    pool.free(first)
+    pool.allocate(2)  # the two untouched blocks come first from the queue's head
+    pool.allocate(2)  # then the first two again
+    assert pool.num_blocks_touched == 4
+    pool.free([0, 1, 2, 3])
+    pool.allocate(4)
+    assert pool.num_blocks_touched == 4
 
 
 @settings(max_examples=40, deadline=None)
