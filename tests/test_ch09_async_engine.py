@@ -12,6 +12,7 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 
 import httpx
 import pytest
+import zmq
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
 
 from minivllm import LLM, SamplingParams
@@ -31,8 +33,17 @@ from minivllm.engine.async_llm import (
     EngineOverloadedError,
     RequestStream,
 )
+from minivllm.engine.core import (
+    AbortRequests,
+    CallResult,
+    EngineCoreOutputs,
+    EngineCoreProc,
+    FunctionCall,
+)
 from minivllm.engine.core_client import MPClient
+from minivllm.engine.data_parallel import AddRequest, EngineCall, Shutdown
 from minivllm.engine.deltas import OutputDeltas, merge_delta, new_request_output
+from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.entrypoints.openai.api_server import BackgroundServer
 from minivllm.models.loader import load_tokenizer
@@ -46,6 +57,7 @@ SETTINGS = dict(
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 HANG_GUARD_S = 60  # a wait that ends long before this, unless something hangs
+VOCAB_SIZE = 49152  # the embedded tokenizer's, shared by the tiny models
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +97,97 @@ class RecordingClient(MPClient):
 
     def deltas_of(self, request_id: str) -> list[RequestOutput]:
         return [o for r in self.reports for o in r.outputs if caller_id(o.request_id) == request_id]
+
+
+def num_running(engine) -> int:
+    return len(engine.scheduler.running)
+
+
+def fail_on_purpose(engine) -> None:
+    raise RuntimeError("failed on purpose")
+
+
+class CoreOverSockets:
+    """`EngineCoreProc`'s loop in a thread of this process, over in-process ZMQ sockets: the
+    front end's side of the engine-core process, without the process."""
+
+    def __init__(self, engine) -> None:
+        self.context = zmq.Context()
+        name = f"inproc://core-{id(self)}"
+        self.to_core = self.context.socket(zmq.PUSH)
+        self.to_core.bind(name + "-in")
+        core_inputs = self.context.socket(zmq.PULL)
+        core_inputs.connect(name + "-in")
+        core_outputs = self.context.socket(zmq.PUSH)
+        core_outputs.bind(name + "-out")
+        self.from_core = self.context.socket(zmq.PULL)
+        self.from_core.connect(name + "-out")
+        self.from_core.setsockopt(zmq.RCVTIMEO, HANG_GUARD_S * 1000)
+        self.core = EngineCoreProc(engine, core_inputs, core_outputs)
+        self.thread = threading.Thread(target=self.core.run_busy_loop, daemon=True)
+        self.thread.start()
+
+    def send(self, message) -> None:
+        self.to_core.send_pyobj(message)
+
+    def receive(self):
+        return self.from_core.recv_pyobj()
+
+    def close(self) -> None:
+        """Stop the loop, then close every socket (pending messages dropped) and the context."""
+        self.send(Shutdown())
+        self.thread.join(HANG_GUARD_S)
+        self.context.destroy(linger=0)
+
+    def call(self, message) -> CallResult:
+        """Send a call; its answer, passing over the step reports sent before it."""
+        self.send(message)
+        while not isinstance(result := self.receive(), CallResult):
+            assert isinstance(result, EngineCoreOutputs), result
+        return result
+
+
+@pytest.fixture
+def core(model_dir):
+    core = CoreOverSockets(LLMEngine(EngineConfig(model=str(model_dir), **SETTINGS)))
+    yield core
+    core.close()
+    assert not core.thread.is_alive(), "Shutdown did not end the loop"
+
+
+def test_the_core_loop_serves_requests_calls_and_aborts_over_its_sockets(core, tiny_greedy):
+    """Requests in, deltas out, until each ends; a request the engine refuses comes back as
+    that request's error; calls are answered between steps, their errors sent back to the
+    caller; an abort ends a request and stops its deltas; Shutdown ends the loop."""
+    prompt = [5, 6, 7, 8]
+    params = SamplingParams(temperature=0.0, max_tokens=10, detokenize=False)
+    core.send(AddRequest("a", {"prompt_token_ids": prompt}, params))
+    core.send(AddRequest("bad", {"prompt_token_ids": [VOCAB_SIZE + 5]}, params))
+    tokens, errors, finished = [], {}, False
+    while not (finished and errors):
+        report = core.receive()
+        assert isinstance(report, EngineCoreOutputs)
+        assert report.num_waiting + report.num_running <= 1  # "bad" never queued
+        errors.update(report.errors)
+        for output in report.outputs:
+            tokens += output.outputs[0].token_ids
+            finished = output.finished
+    assert tokens == tiny_greedy(prompt, 10)
+    assert list(errors) == ["bad"] and "vocabulary" in str(errors["bad"])
+    assert report.num_received == 2
+
+    assert core.call(EngineCall("get_num_unfinished_requests", reply=True)).value == 0
+    assert core.call(FunctionCall(pickle.dumps(num_running))).value == 0
+    failed = core.call(FunctionCall(pickle.dumps(fail_on_purpose))).error
+    assert isinstance(failed, RuntimeError) and "failed on purpose" in str(failed)
+    assert isinstance(core.call(EngineCall("no_such_method", reply=True)).error, AttributeError)
+
+    core.send(AddRequest("long", {"prompt_token_ids": prompt}, LONG))
+    assert core.receive().outputs[0].request_id.startswith("long")
+    core.send(AbortRequests(["long"]))
+    while core.call(FunctionCall(pickle.dumps(num_running))).value:
+        pass
+    assert_pool_is_empty(core.core.engine)
 
 
 @pytest.fixture(scope="module")
