@@ -312,6 +312,9 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.structured_output.emptiness.x_matches_a_finite_string__mutmut_47": (
         "changed = False -> None: the loop reads it as a truth value only, and None is false"
     ),
+    "minivllm.engine.output_processor.x_cumulative_logprob_after__mutmut_7": _STRICT_ZIP,
+    "minivllm.engine.output_processor.x_cumulative_logprob_after__mutmut_10": _STRICT_ZIP,
+    "minivllm.engine.output_processor.x_cumulative_logprob_after__mutmut_11": _STRICT_ZIP,
     "minivllm.core.scheduler.xǁSchedulerǁschedule__mutmut_109": (
         "admitted.append(request) -> append(None): the list is only counted (len), and None"
         " counts as one"

@@ -38,6 +38,7 @@ from minivllm.engine.data_parallel import (
     aggregate_metrics,
     choose_replica,
     load_score,
+    picklable_error,
 )
 from minivllm.engine.llm_engine import Metric
 
@@ -171,6 +172,45 @@ def test_metrics_add_counts_and_average_rates():
         ("vllm:num_requests_running", 4),
         ("vllm:prompt_tokens", 150),
     ]
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "vllm:num_requests_waiting",
+        "minivllm:kv_cache_bytes",
+        "minivllm:kv_cache_touched_bytes",
+    ],
+)
+def test_request_counts_and_pool_bytes_are_summed_over_replicas(name):
+    """Gauges that count things (requests, bytes) add up; each metric keeps its kind and
+    description, and one that only some replicas report is combined from those."""
+    combined = aggregate_metrics(
+        [
+            [Metric(name, "gauge", 3, "what it counts")],
+            [Metric(name, "gauge", 5, "what it counts"), Metric("only_here", "counter", 2, "x")],
+        ]
+    )
+    assert combined == [
+        Metric(name, "gauge", 8, "what it counts"),
+        Metric("only_here", "counter", 2, "x"),
+    ]
+
+
+class UnpicklableError(Exception):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.lock = threading.Lock()  # pickling refuses a lock
+
+
+def test_an_error_that_cannot_travel_becomes_its_text():
+    """A replica's (or the engine core's) exception crosses a pipe pickled: one that pickles
+    travels as itself; one that does not becomes a RuntimeError naming its type and message."""
+    travels = ValueError("bad prompt")
+    assert picklable_error(travels) is travels
+    replaced = picklable_error(UnpicklableError("a lock inside"))
+    assert type(replaced) is RuntimeError
+    assert str(replaced) == "UnpicklableError: a lock inside"
 
 
 # --- the same tokens as one engine ------------------------------------------------------------

@@ -36,6 +36,7 @@ from minivllm.engine.async_llm import (
 from minivllm.engine.core import (
     AbortRequests,
     CallResult,
+    EngineCore,
     EngineCoreOutputs,
     EngineCoreProc,
     FunctionCall,
@@ -44,7 +45,11 @@ from minivllm.engine.core_client import MPClient
 from minivllm.engine.data_parallel import AddRequest, EngineCall, Shutdown
 from minivllm.engine.deltas import OutputDeltas, merge_delta, new_request_output
 from minivllm.engine.llm_engine import LLMEngine
-from minivllm.engine.output_processor import OutputProcessor
+from minivllm.engine.output_processor import (
+    OutputProcessor,
+    SequenceState,
+    cumulative_logprob_after,
+)
 from minivllm.entrypoints.openai.api_server import BackgroundServer
 from minivllm.models.loader import load_tokenizer
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -188,6 +193,53 @@ def test_the_core_loop_serves_requests_calls_and_aborts_over_its_sockets(core, t
     while core.call(FunctionCall(pickle.dumps(num_running))).value:
         pass
     assert_pool_is_empty(core.core.engine)
+
+
+class RefusingEngine:
+    """A stand-in engine that refuses every request (as a bad grammar would be refused)."""
+
+    def add_request(self, request_id, prompt, params, priority=0):
+        raise ValueError(f"{request_id} refused")
+
+    def abort_request(self, request_ids) -> None:
+        pass
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+def test_a_refused_request_aborted_before_the_next_step_is_not_reported():
+    """The core keeps a refused request's error for the next report; an abort of that request
+    in the meantime drops it (nobody waits for it), leaving the core with no work."""
+    core = EngineCore(RefusingEngine())
+    params = SamplingParams(max_tokens=1)
+    core.add_request(AddRequest("kept", {"prompt_token_ids": [5]}, params))
+    core.add_request(AddRequest("dropped", {"prompt_token_ids": [5]}, params))
+    core.abort_requests(["dropped"])
+    assert core.has_work()
+    assert list(core.step().errors) == ["kept"]
+    assert not core.has_work()
+
+
+def test_forgetting_a_request_drops_its_progress_even_an_unknown_one():
+    deltas = OutputDeltas()
+    deltas.add("r")
+    deltas.forget(["r", "never-added"])
+    assert deltas.progress == {}
+
+
+def test_the_kept_tokens_cumulative_logprob_is_summed_from_the_previous_one():
+    """A stop string cut the last of three new tokens: the cumulative logprob is the previous
+    one plus the two kept tokens' logprobs, not the core's value for all three."""
+    sequence = SequenceState(detokenizer=None, cumulative_logprob=-1.0)
+    new = CompletionOutput(0, "", [4, 5, 6], -7.0, None)
+    logprobs = [{4: Logprob(-2.0, 1)}, {5: Logprob(-0.5, 1)}]
+    assert cumulative_logprob_after(sequence, [4, 5], logprobs, new) == -3.5
+    assert (
+        cumulative_logprob_after(sequence, [4, 5, 6], logprobs + [{6: Logprob(-3.5, 1)}], new)
+        == -7.0
+    )
+    assert cumulative_logprob_after(sequence, [4, 5], None, new) == -7.0
 
 
 @pytest.fixture(scope="module")
