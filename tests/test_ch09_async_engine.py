@@ -35,6 +35,7 @@ from minivllm.engine.async_llm import (
 )
 from minivllm.engine.core import (
     AbortRequests,
+    AbortSequences,
     CallResult,
     EngineCore,
     EngineCoreOutputs,
@@ -195,23 +196,53 @@ def test_the_core_loop_serves_requests_calls_and_aborts_over_its_sockets(core, t
     assert_pool_is_empty(core.core.engine)
 
 
-class RefusingEngine:
-    """A stand-in engine that refuses every request (as a bad grammar would be refused)."""
+class StandInEngine:
+    """An engine that records the calls it gets; with `refuse`, it refuses every request (as
+    a grammar that does not compile would be refused)."""
+
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse
+        self.calls: list[tuple] = []
 
     def add_request(self, request_id, prompt, params, priority=0):
-        raise ValueError(f"{request_id} refused")
+        self.calls.append(("add_request", request_id, prompt, params, priority))
+        if self.refuse:
+            raise ValueError(f"{request_id} refused")
 
     def abort_request(self, request_ids) -> None:
-        pass
+        self.calls.append(("abort_request", request_ids))
+
+    def abort_sequences(self, sequences) -> None:
+        self.calls.append(("abort_sequences", sequences))
 
     def has_unfinished_requests(self) -> bool:
         return False
 
 
+def test_the_core_hands_each_message_to_the_engine_and_counts_sequences():
+    engine = StandInEngine()
+    core = EngineCore(engine)
+    prompt = {"prompt_token_ids": [5, 6]}
+    two = SamplingParams(n=2, max_tokens=1)
+    core.handle(AddRequest("a", prompt, two, priority=3))
+    core.handle(AddRequest("b", prompt, SamplingParams(max_tokens=1)))
+    core.handle(AbortSequences([("a", 1)]))
+    core.handle(AbortRequests(["b"]))
+    assert engine.calls[0] == ("add_request", "a", prompt, two, 3)
+    assert [call[0] for call in engine.calls] == [
+        "add_request",
+        "add_request",
+        "abort_sequences",
+        "abort_request",
+    ]
+    assert engine.calls[2:] == [("abort_sequences", [("a", 1)]), ("abort_request", ["b"])]
+    assert core.num_received == 3  # sequences: two of a, one of b
+
+
 def test_a_refused_request_aborted_before_the_next_step_is_not_reported():
     """The core keeps a refused request's error for the next report; an abort of that request
     in the meantime drops it (nobody waits for it), leaving the core with no work."""
-    core = EngineCore(RefusingEngine())
+    core = EngineCore(StandInEngine(refuse=True))
     params = SamplingParams(max_tokens=1)
     core.add_request(AddRequest("kept", {"prompt_token_ids": [5]}, params))
     core.add_request(AddRequest("dropped", {"prompt_token_ids": [5]}, params))
