@@ -315,6 +315,13 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.engine.output_processor.x_cumulative_logprob_after__mutmut_7": _STRICT_ZIP,
     "minivllm.engine.output_processor.x_cumulative_logprob_after__mutmut_10": _STRICT_ZIP,
     "minivllm.engine.output_processor.x_cumulative_logprob_after__mutmut_11": _STRICT_ZIP,
+    "minivllm.engine.core_client.xǁInprocClientǁ__init____mutmut_7": (
+        "_stopping = False -> None: it is read only as a truth value, and None is false"
+    ),
+    "minivllm.engine.core_client.xǁInprocClientǁ_run__mutmut_4": (
+        "the thread steps the core even without work: EngineCore.step steps the engine only"
+        " when it has unfinished requests, and an empty report is not sent"
+    ),
     "minivllm.core.scheduler.xǁSchedulerǁschedule__mutmut_109": (
         "admitted.append(request) -> append(None): the list is only counted (len), and None"
         " counts as one"

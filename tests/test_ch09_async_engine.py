@@ -42,7 +42,7 @@ from minivllm.engine.core import (
     EngineCoreProc,
     FunctionCall,
 )
-from minivllm.engine.core_client import MPClient
+from minivllm.engine.core_client import InprocClient, MPClient
 from minivllm.engine.data_parallel import AddRequest, EngineCall, Shutdown
 from minivllm.engine.deltas import OutputDeltas, merge_delta, new_request_output
 from minivllm.engine.llm_engine import LLMEngine
@@ -217,6 +217,42 @@ class StandInEngine:
 
     def has_unfinished_requests(self) -> bool:
         return False
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown",))
+
+
+def test_the_engine_thread_reports_only_what_a_front_end_must_hear():
+    """The in-process client's thread (a daemon named minivllm-engine, so that a forgotten
+    shutdown does not keep the process alive) wakes for every message; a wake that leaves
+    nothing to do sends nothing and is no failure; a refused request is reported. A client
+    shut down before it started just shuts its engine down."""
+    InprocClient(idle := StandInEngine()).shutdown()
+    assert idle.calls == [("shutdown",)]
+
+    engine = StandInEngine(refuse=True)
+    client = InprocClient(engine)
+    reports, failures = [], []
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + HANG_GUARD_S
+        while not condition():
+            assert not failures, failures
+            assert time.monotonic() < deadline, f"{what} never happened"
+            time.sleep(0.01)
+
+    client.start(reports.append, failures.append)
+    try:
+        assert any(t.name == "minivllm-engine" and t.daemon for t in threading.enumerate())
+        client.abort_requests(["nobody"])
+        wait_for(lambda: engine.calls, "the abort")
+        params = SamplingParams(max_tokens=1)
+        client.add_request(AddRequest("r", {"prompt_token_ids": [5]}, params))
+        wait_for(lambda: reports, "the refusal's report")
+    finally:
+        client.shutdown()
+    assert failures == [] and [list(report.errors) for report in reports] == [["r"]]
+    assert [call[0] for call in engine.calls] == ["abort_request", "add_request", "shutdown"]
 
 
 def test_the_core_hands_each_message_to_the_engine_and_counts_sequences():
