@@ -24,6 +24,8 @@ import httpx
 import pytest
 import zmq
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
@@ -44,7 +46,7 @@ from minivllm.engine.core import (
 )
 from minivllm.engine.core_client import InprocClient, MPClient
 from minivllm.engine.data_parallel import AddRequest, EngineCall, Shutdown
-from minivllm.engine.deltas import OutputDeltas, merge_delta, new_request_output
+from minivllm.engine.deltas import OutputDeltas, merge_delta, new_request_output, snapshot
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.output_processor import (
     OutputProcessor,
@@ -537,6 +539,60 @@ def test_n_2_with_stop_strings_equals_llm_generate(async_llm, offline_llm, sampl
         assert expected.outputs[1].finish_reason == "length"
         assert (request_id, 0) in async_llm.client.aborted_sequences
     settle(async_llm)
+
+
+@st.composite
+def cumulative_outputs(draw) -> list[RequestOutput]:
+    """One request's cumulative outputs over its steps, as LLMEngine.step returns them: n
+    completions that each grow by 0-3 tokens a step (with logprobs or without), a finish
+    reason on the last step, the cached-token count and prompt logprobs set on every step."""
+    n, num_steps = draw(st.integers(1, 3)), draw(st.integers(1, 6))
+    with_logprobs = draw(st.booleans())
+    prompt_logprobs = draw(st.none() | st.just([None, {2: Logprob(-0.5, 1)}]))
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    steps = []
+    for step in range(num_steps):
+        last = step == num_steps - 1
+        completions = []
+        for i in range(n):
+            tokens[i] += draw(st.lists(st.integers(0, 99), max_size=3))
+            logprobs = [{t: Logprob(-float(t), 1)} for t in tokens[i]] if with_logprobs else None
+            completions.append(
+                CompletionOutput(
+                    i, "", list(tokens[i]), -1.0 * step, logprobs, "length" if last else None
+                )
+            )
+        steps.append(
+            RequestOutput(
+                "r", None, [1, 2], completions, last, None, step, prompt_logprobs=prompt_logprobs
+            )
+        )
+    return steps
+
+
+@given(steps=cumulative_outputs())
+def test_deltas_carry_only_what_is_new_and_join_back_into_each_cumulative_output(steps):
+    """The core's side cuts each cumulative output into what is new since the last one; the
+    front end's side joins the deltas back, step by step, into exactly the cumulative output
+    (a snapshot taken on the way is not changed by later deltas). Prompt logprobs travel
+    once; a finished request is forgotten; a request the core does not know is left out."""
+    splitter = OutputDeltas()
+    splitter.add("r")
+    joined = new_request_output("r", {"prompt": None, "prompt_token_ids": [1, 2]})
+    previous, snapshots = [[] for _ in steps[0].outputs], []
+    prompt_logprobs_sent = 0
+    for output in steps:
+        (delta,) = splitter.split([output, replace(output, request_id="unknown")])
+        for i, completion in enumerate(delta.outputs):
+            assert completion.token_ids == output.outputs[i].token_ids[len(previous[i]) :]
+            previous[i] = output.outputs[i].token_ids
+        prompt_logprobs_sent += delta.prompt_logprobs is not None
+        merge_delta(joined, delta)
+        assert joined == output
+        snapshots.append(snapshot(joined))
+    assert snapshots == steps
+    assert prompt_logprobs_sent == (steps[0].prompt_logprobs is not None)
+    assert splitter.progress == {}
 
 
 def test_the_front_end_streams_only_text_that_can_no_longer_change(embedded_dir):
