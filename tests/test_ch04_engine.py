@@ -27,8 +27,8 @@ from minivllm import LLM, SamplingParams
 from minivllm.config import EngineConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.request import Request, RequestStatus
-from minivllm.core.scheduler import Scheduler, SchedulerConfig
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.core.scheduler import Scheduler, SchedulerConfig, SpecDecodeStats
+from minivllm.engine.llm_engine import LLMEngine, spec_decode_metric_rows
 from minivllm.outputs import ModelRunnerOutput
 
 ENGINE_FAMILY = ENGINE_TEST_FAMILY
@@ -673,6 +673,30 @@ def test_metrics_follow_the_engine(tiny_dir):
         len(o.outputs[0].token_ids) for o in outputs.values()
     )
     assert final["vllm:num_preemptions"] == 0
+
+
+def test_the_spec_decode_metrics_are_the_counters_and_the_two_rates():
+    """Chapter 08's counters under vLLM's names, with the acceptance rate (accepted / draft
+    tokens) and the mean accepted length (tokens a verification emits: accepted drafts + 1),
+    and one counter per draft position; before any draft, both rates are 0."""
+    before = {name: value for name, _, value, _ in spec_decode_metric_rows(SpecDecodeStats())}
+    assert before["minivllm:spec_decode_acceptance_rate"] == 0.0
+    assert before["minivllm:spec_decode_mean_accepted_length"] == 0.0
+    stats = SpecDecodeStats()
+    stats.record(3, 2)
+    stats.record(2, 0)
+    rows = spec_decode_metric_rows(stats)
+    assert [(name, kind, value) for name, kind, value, _ in rows] == [
+        ("vllm:spec_decode_num_drafts", "counter", 2),
+        ("vllm:spec_decode_num_draft_tokens", "counter", 5),
+        ("vllm:spec_decode_num_accepted_tokens", "counter", 2),
+        ("minivllm:spec_decode_acceptance_rate", "gauge", 0.4),
+        ("minivllm:spec_decode_mean_accepted_length", "gauge", 2.0),
+        ('vllm:spec_decode_num_accepted_tokens_per_pos{position="0"}', "counter", 1),
+        ('vllm:spec_decode_num_accepted_tokens_per_pos{position="1"}', "counter", 1),
+        ('vllm:spec_decode_num_accepted_tokens_per_pos{position="2"}', "counter", 0),
+    ]
+    assert all(description for *_, description in rows)
 
 
 # --- bad input at the engine level -------------------------------------------------------------
