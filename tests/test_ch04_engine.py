@@ -543,6 +543,32 @@ def test_scheduler_invariants_on_random_request_streams(stream, seed, tiny, tiny
 # --- aborts ------------------------------------------------------------------------------------
 
 
+def test_aborting_one_sequence_of_n_leaves_its_siblings_running(tiny_dir, tiny_greedy):
+    """n=3: sequence 1 is stopped (as chapter 09's front end does when it finds a stop string
+    in it): its blocks go back at once, the request lives on until its other sequences end,
+    with their usual tokens, and is then forgotten. Unknown ids and indices change nothing."""
+    engine = tiny_engine(tiny_dir)
+    prompt = random_prompt(6, 20)
+    engine.add_request("r", {"prompt_token_ids": prompt}, greedy(8, n=3))
+    engine.step()
+    engine.step()
+    engine.abort_sequences([("r", 1), ("r", 7), ("nobody", 0)])
+    sequences = engine.requests["r"]
+    assert [s.finish_reason for s in sequences] == [None, "abort", None]
+    assert "r#1" not in engine.kv_cache_manager.block_tables
+    finished = run_to_completion(engine)
+    expected = tiny_greedy(prompt, 8)
+    assert [c.token_ids for c in finished["r"].outputs][::2] == [expected, expected]
+    assert "r" not in engine.requests
+    assert_pool_is_empty(engine)
+    engine.add_request("s", {"prompt_token_ids": prompt}, greedy(8, n=2))
+    engine.step()
+    engine.abort_sequences([("s", 0), ("s", 1)])  # its last sequences: the request goes too
+    assert "s" not in engine.requests
+    run_to_completion(engine)
+    assert_pool_is_empty(engine)
+
+
 def test_abort_while_waiting_mid_prefill_and_mid_decode(tiny_dir, tiny_greedy):
     """Aborting a waiting request, one halfway through its chunked prefill and one decoding
     frees each one's blocks at once; the other requests finish with their normal tokens."""
