@@ -553,6 +553,7 @@ def test_aborting_one_sequence_of_n_leaves_its_siblings_running(tiny_dir, tiny_g
     engine.step()
     engine.step()
     engine.abort_sequences([("r", 1), ("r", 7), ("nobody", 0)])
+    assert engine.get_num_unfinished_requests() == 2  # sequences waiting or running
     sequences = engine.requests["r"]
     assert [s.finish_reason for s in sequences] == [None, "abort", None]
     assert "r#1" not in engine.kv_cache_manager.block_tables
