@@ -322,6 +322,13 @@ EQUIVALENT: dict[str, str] = {
         "the thread steps the core even without work: EngineCore.step steps the engine only"
         " when it has unfinished requests, and an empty report is not sent"
     ),
+    "minivllm.engine.deltas.xǁOutputDeltasǁ_delta__mutmut_1": (
+        "< -> <=: one more tokens-sent entry than there are completions, never read"
+    ),
+    "minivllm.engine.deltas.xǁOutputDeltasǁ_delta__mutmut_2": (
+        "a new completion's tokens sent start at None instead of 0: a slice from None is a"
+        " slice from 0"
+    ),
     "minivllm.core.scheduler.xǁSchedulerǁschedule__mutmut_109": (
         "admitted.append(request) -> append(None): the list is only counted (len), and None"
         " counts as one"

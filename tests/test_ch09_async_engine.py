@@ -286,7 +286,9 @@ def test_a_refused_request_aborted_before_the_next_step_is_not_reported():
     core.add_request(AddRequest("dropped", {"prompt_token_ids": [5]}, params))
     core.abort_requests(["dropped"])
     assert core.has_work()
-    assert list(core.step().errors) == ["kept"]
+    before = time.monotonic()
+    report = core.step()
+    assert list(report.errors) == ["kept"] and before <= report.timestamp <= time.monotonic()
     assert not core.has_work()
 
 
@@ -582,7 +584,8 @@ def test_deltas_carry_only_what_is_new_and_join_back_into_each_cumulative_output
     previous, snapshots = [[] for _ in steps[0].outputs], []
     prompt_logprobs_sent = 0
     for output in steps:
-        (delta,) = splitter.split([output, replace(output, request_id="unknown")])
+        (delta,) = splitter.split([replace(output, request_id="unknown"), output])
+        assert (delta.prompt, delta.prompt_token_ids) == (None, [])  # the front end has it
         for i, completion in enumerate(delta.outputs):
             assert completion.token_ids == output.outputs[i].token_ids[len(previous[i]) :]
             previous[i] = output.outputs[i].token_ids
