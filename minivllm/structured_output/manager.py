@@ -102,7 +102,9 @@ class CompiledGrammarCache:
         self.size_bytes = 0  # of the finished compiles held
         self._compiles: OrderedDict[str, Future] = OrderedDict()
         self._sizes: dict[str, int] = {}  # key -> bytes, for the finished compiles
-        self._running: set[str] = set()  # keys whose compile had not finished when last seen
+        # Keys whose compile had not finished when last seen, in the order they were put (a
+        # dict as an ordered set: they are settled in that order, the same on every run).
+        self._running: dict[str, None] = {}
 
     def __len__(self) -> int:
         return len(self._compiles)
@@ -120,14 +122,13 @@ class CompiledGrammarCache:
 
     def put(self, key: str, compiled: Future) -> None:
         self._compiles[key] = compiled
-        self._running.add(key)
+        self._running[key] = None
         self._settle()
 
     def _settle(self) -> None:
         """Count the compiles that finished since last time, then evict down to the budget."""
-        finished = [k for k in self._compiles if k in self._running and self._compiles[k].done()]
-        for key in finished:
-            self._running.discard(key)
+        for key in [key for key in self._running if self._compiles[key].done()]:
+            del self._running[key]
             if compile_failure(self._compiles[key]) is not None:
                 del self._compiles[key]
                 continue
