@@ -24,6 +24,7 @@ import httpx
 import pytest
 import zmq
 from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
+from engine_core_calls import engine_is_idle, pool_is_empty
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -198,41 +199,15 @@ def test_the_core_loop_serves_requests_calls_and_aborts_over_its_sockets(core, t
     assert_pool_is_empty(core.core.engine)
 
 
-class StandInEngine:
-    """An engine that records the calls it gets; with `refuse`, it refuses every request (as
-    a grammar that does not compile would be refused)."""
-
-    def __init__(self, refuse: bool = False) -> None:
-        self.refuse = refuse
-        self.calls: list[tuple] = []
-
-    def add_request(self, request_id, prompt, params, priority=0):
-        self.calls.append(("add_request", request_id, prompt, params, priority))
-        if self.refuse:
-            raise ValueError(f"{request_id} refused")
-
-    def abort_request(self, request_ids) -> None:
-        self.calls.append(("abort_request", request_ids))
-
-    def abort_sequences(self, sequences) -> None:
-        self.calls.append(("abort_sequences", sequences))
-
-    def has_unfinished_requests(self) -> bool:
-        return False
-
-    def shutdown(self) -> None:
-        self.calls.append(("shutdown",))
-
-
 def test_the_engine_thread_reports_only_what_a_front_end_must_hear():
     """The in-process client's thread (a daemon named minivllm-engine, so that a forgotten
     shutdown does not keep the process alive) wakes for every message; a wake that leaves
     nothing to do sends nothing and is no failure; a refused request is reported. A client
     shut down before it started just shuts its engine down."""
-    InprocClient(idle := StandInEngine()).shutdown()
+    InprocClient(idle := FakeEngine()).shutdown()
     assert idle.calls == [("shutdown",)]
 
-    engine = StandInEngine(refuse=True)
+    engine = FakeEngine(fail_add=("r",))
     client = InprocClient(engine)
     reports, failures = [], []
 
@@ -249,16 +224,16 @@ def test_the_engine_thread_reports_only_what_a_front_end_must_hear():
         client.abort_requests(["nobody"])
         wait_for(lambda: engine.calls, "the abort")
         params = SamplingParams(max_tokens=1)
-        client.add_request(AddRequest("r", {"prompt_token_ids": [5]}, params))
+        client.add_request(AddRequest("r-0", {"prompt_token_ids": [5]}, params))
         wait_for(lambda: reports, "the refusal's report")
     finally:
         client.shutdown()
-    assert failures == [] and [list(report.errors) for report in reports] == [["r"]]
+    assert failures == [] and [list(report.errors) for report in reports] == [["r-0"]]
     assert [call[0] for call in engine.calls] == ["abort_request", "add_request", "shutdown"]
 
 
 def test_the_core_hands_each_message_to_the_engine_and_counts_sequences():
-    engine = StandInEngine()
+    engine = FakeEngine()
     core = EngineCore(engine)
     prompt = {"prompt_token_ids": [5, 6]}
     two = SamplingParams(n=2, max_tokens=1)
@@ -279,17 +254,19 @@ def test_the_core_hands_each_message_to_the_engine_and_counts_sequences():
 
 def test_a_refused_request_aborted_before_the_next_step_is_not_reported():
     """The core keeps a refused request's error for the next report; an abort of that request
-    in the meantime drops it (nobody waits for it), leaving the core with no work."""
-    core = EngineCore(StandInEngine(refuse=True))
+    in the meantime drops it (nobody waits for it), leaving the core with no work. With no
+    request unfinished, the report is made without stepping the engine."""
+    engine = FakeEngine(fail_add=("kept", "dropped"))
+    core = EngineCore(engine)
     params = SamplingParams(max_tokens=1)
-    core.add_request(AddRequest("kept", {"prompt_token_ids": [5]}, params))
-    core.add_request(AddRequest("dropped", {"prompt_token_ids": [5]}, params))
-    core.abort_requests(["dropped"])
+    core.add_request(AddRequest("kept-0", {"prompt_token_ids": [5]}, params))
+    core.add_request(AddRequest("dropped-0", {"prompt_token_ids": [5]}, params))
+    core.abort_requests(["dropped-0"])
     assert core.has_work()
     before = time.monotonic()
     report = core.step()
-    assert list(report.errors) == ["kept"] and before <= report.timestamp <= time.monotonic()
-    assert not core.has_work()
+    assert list(report.errors) == ["kept-0"] and before <= report.timestamp <= time.monotonic()
+    assert not core.has_work() and ("step",) not in engine.calls
 
 
 def test_forgetting_a_request_drops_its_progress_even_an_unknown_one():
@@ -322,17 +299,6 @@ def async_llm(model_dir):
 
 def metrics(llm: AsyncLLM) -> dict[str, float]:
     return {m.name: m.value for m in llm.get_metrics()}
-
-
-def engine_is_idle(engine) -> bool:
-    return not engine.has_unfinished_requests()
-
-
-def pool_is_empty(engine) -> None:
-    """conftest's check, sent to the engine core process as a function of this module (pickle
-    sends a function by module and name; a module that pytest imported twice, as the mutation
-    runs do with conftest, would not be found as the same object)."""
-    assert_pool_is_empty(engine)
 
 
 def settle(llm: AsyncLLM) -> None:
@@ -761,7 +727,8 @@ class FakeTokenizer:
 class FakeEngine:
     """Each request runs `steps` steps, one token each, and returns cumulative outputs as
     LLMEngine does for the server (token ids, no text: the front end makes it, "t" a token);
-    `fail_add` requests (by the callers' ids) are refused by add_request with a RuntimeError."""
+    `fail_add` requests (by the callers' ids) are refused by add_request with a RuntimeError.
+    `calls` records what it was asked, in order (name and arguments)."""
 
     def __init__(self, steps: int = 1, fail_add: tuple[str, ...] = ()) -> None:
         self.processor = FakeProcessor()
@@ -769,20 +736,27 @@ class FakeEngine:
         self.steps, self.fail_add = steps, fail_add
         self.progress: dict[str, int] = {}
         self.fail_next_step = False
+        self.calls: list[tuple] = []
 
     def add_request(self, request_id, prompt, params, priority=0):
+        self.calls.append(("add_request", request_id, prompt, params, priority))
         if caller_id(request_id) in self.fail_add:
             raise RuntimeError(f"cannot build a grammar for {request_id}")
         self.progress[request_id] = 0
 
     def abort_request(self, request_ids):
+        self.calls.append(("abort_request", request_ids))
         for request_id in request_ids:
             self.progress.pop(request_id, None)
+
+    def abort_sequences(self, sequences):
+        self.calls.append(("abort_sequences", sequences))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.progress) or self.fail_next_step
 
     def step(self) -> list[RequestOutput]:
+        self.calls.append(("step",))
         if self.fail_next_step:
             raise RuntimeError("the step failed")
         outputs = []
@@ -798,7 +772,7 @@ class FakeEngine:
         return outputs
 
     def shutdown(self) -> None:
-        pass
+        self.calls.append(("shutdown",))
 
 
 def test_a_stream_closed_while_its_output_is_delivered_does_not_kill_the_engine():

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGINE_TEST_FAMILY, assert_pool_is_empty
+from conftest import ENGINE_TEST_FAMILY
+from engine_core_calls import engine_is_idle, pool_is_empty
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -148,17 +149,6 @@ def late_report_llm(tiny_model_dirs):
     llm = AsyncLLM(LateReportClient(EngineConfig(model=model, **SETTINGS)))
     yield llm
     llm.shutdown()
-
-
-def engine_is_idle(engine) -> bool:
-    return not engine.has_unfinished_requests()
-
-
-def pool_is_empty(engine) -> None:
-    """conftest's check, sent to the engine core process as a function of this module (pickle
-    sends a function by module and name; a module that pytest imported twice, as the mutation
-    runs do with conftest, would not be found as the same object)."""
-    assert_pool_is_empty(engine)
 
 
 def nothing_runs_or_waits(engine) -> bool:
