@@ -75,15 +75,18 @@ def test_every_notebook_first_says_which_code_and_machine_made_its_numbers():
 
 def test_every_notebook_ran_on_one_commit():
     """The committed outputs are one run of the book: every notebook's first output names the
-    commit whose code printed it, and all name the same one, so numbers quoted across chapters
-    come from the same engine."""
+    commit whose code printed it and the machine it ran on, and all name the same ones, with no
+    uncommitted change to the code ("+changes"), so numbers quoted across chapters come from the
+    same engine on the same kind of processor."""
     import re
 
-    commits = {}
+    runs = {}
     for path in NOTEBOOKS:
         first = first_code_cell(path)
         printed = "".join(output.get("text", "") for output in first.outputs)
-        found = re.search(r"ran on commit ([0-9a-f]{7,})", printed)
+        found = re.search(r"ran on commit ([0-9a-f]{7,})(\+changes)? · (.+)", printed)
         assert found, f"{path.name}'s first output names no commit: {printed[:200]!r}"
-        commits[path.stem] = found.group(1)
-    assert len(set(commits.values())) == 1, commits
+        commit, changed, machine = found.groups()
+        assert not changed, f"{path.name} ran on uncommitted code: {found.group(0)!r}"
+        runs[path.stem] = (commit, machine.strip())
+    assert len(set(runs.values())) == 1, runs
