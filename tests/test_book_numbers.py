@@ -134,7 +134,9 @@ def test_readme_numbers_come_from_the_notebooks_they_cite(heading):
         ]
         if missing := not_printed(quoted, printed):
             wrong.append((sources, missing, block[:80]))
-    assert not wrong, f"README's {heading!r} quotes numbers its cited notebooks never printed: {wrong}"
+    assert not wrong, (
+        f"README's {heading!r} quotes numbers its cited notebooks never printed: {wrong}"
+    )
 
 
 def test_readme_blocks_find_their_chapters():
