@@ -54,9 +54,10 @@ format: setup
 	$(VENV)/bin/ruff format minivllm tests
 	$(VENV)/bin/ruff check --fix minivllm tests
 
-# Execute every notebook in full mode and keep the outputs (what is committed).
+# Execute every notebook in full mode and keep the outputs (what is committed). Hours on two
+# cores, so resumable: a notebook already run whole on this commit and machine is skipped.
 notebooks: setup
-	HF_HUB_OFFLINE=1 $(PY) scripts/run_notebooks.py notebooks/*.ipynb
+	HF_HUB_OFFLINE=1 $(PY) scripts/run_notebooks.py --resume notebooks/*.ipynb
 
 bench: setup
 	HF_HUB_OFFLINE=1 $(PY) -m minivllm bench --num-requests 64 --baseline hf \

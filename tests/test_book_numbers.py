@@ -87,14 +87,64 @@ def test_there_are_chapters_to_check():
     assert len(CHAPTERS) >= 6, [p.name for p in CHAPTERS]
 
 
+CHAPTER_LINK = re.compile(r"\]\((?:\.\./)?(?:chapters|notebooks)/([\w-]+)\.(?:md|ipynb)[^)]*\)")
+
+
+def readme_blocks(heading: str) -> list[tuple[list[str], str]]:
+    """The blocks (paragraphs, tables, table rows) of a README section, each with the chapters
+    whose notebooks its numbers must come from: the chapters a block links, or, for a block that
+    links none, those of the last block above it that did (a table under its introduction)."""
+    blocks, sources = [], []
+    for paragraph in section((ROOT / "README.md").read_text(), heading).split("\n\n"):
+        rows = paragraph.splitlines()
+        is_table = all(row.startswith("|") for row in rows)
+        for block in rows if is_table else [paragraph]:
+            linked = CHAPTER_LINK.findall(block)
+            if linked and not is_table:
+                sources = linked
+            blocks.append((linked if is_table and linked else sources, block))
+    return blocks
+
+
+def measured_text(block: str, heading: str) -> str:
+    """What of a README block quotes measurements: not its links or code spans (flags, versions),
+    and in a row of the Goals table (chapter | goal | where it stands) only where it stands: the
+    goal's own thresholds are targets, not outputs."""
+    text = re.sub(r"`[^`]*`", "", CHAPTER_LINK.sub("", block))
+    if heading == "Goals" and text.startswith("|"):
+        return text.strip().strip("|").split("|")[-1]
+    return text
+
+
 @pytest.mark.parametrize("heading", ["Goals", "How fast"])
-def test_readme_numbers_come_from_the_notebooks(heading):
-    """The README's goals and speeds are copies of notebook outputs, not numbers of their own: a
-    re-run that moves them leaves the README failing until it is brought up to date."""
-    printed = [
-        number
-        for notebook in sorted((ROOT / "notebooks").glob("*.ipynb"))
-        for number in decimals(notebook_output_text(notebook))
+def test_readme_numbers_come_from_the_notebooks_they_cite(heading):
+    """The README's goals and speeds are copies of notebook outputs, not numbers of their own, and
+    each comes from the chapter its row or paragraph links: two chapters' runs of one measurement
+    differ, so a row that quoted one chapter's run under another's name would disagree with the
+    chapter it sends the reader to. A re-run that moves a number leaves the README failing until
+    it is brought up to date."""
+    wrong = []
+    for sources, block in readme_blocks(heading):
+        quoted = measured_text(block, heading)
+        printed = [
+            number
+            for stem in sources
+            if (ROOT / "notebooks" / f"{stem}.ipynb").exists()
+            for number in decimals(notebook_output_text(ROOT / "notebooks" / f"{stem}.ipynb"))
+        ]
+        if missing := not_printed(quoted, printed):
+            wrong.append((sources, missing, block[:80]))
+    assert not wrong, (
+        f"README's {heading!r} quotes numbers its cited notebooks never printed: {wrong}"
+    )
+
+
+def test_readme_blocks_find_their_chapters():
+    """The citation rule above binds: every README block that quotes a number cites a notebook."""
+    unsourced = [
+        block[:80]
+        for heading in ("Goals", "How fast")
+        for sources, block in readme_blocks(heading)
+        if decimals(measured_text(block, heading)) and not sources
     ]
-    missing = not_printed(section((ROOT / "README.md").read_text(), heading), printed)
-    assert not missing, f"README's {heading!r} quotes numbers no notebook printed: {missing}"
+    assert not unsourced, unsourced

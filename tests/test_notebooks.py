@@ -90,3 +90,29 @@ def test_every_notebook_ran_on_one_commit():
         assert not changed, f"{path.name} ran on uncommitted code: {found.group(0)!r}"
         runs[path.stem] = (commit, machine.strip())
     assert len(set(runs.values())) == 1, runs
+
+
+def test_a_resumed_book_run_skips_only_notebooks_run_whole_on_the_same_code(tmp_path):
+    """`scripts/run_notebooks.py --resume` continues an interrupted run: a notebook counts as done
+    only if every code cell ran and its first output names the code and machine of this run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "run_notebooks", Path(__file__).parent.parent / "scripts" / "run_notebooks.py"
+    )
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+
+    def saved(path, first_output, second_ran=True):
+        notebook = nbformat.v4.new_notebook()
+        first = nbformat.v4.new_code_cell("print(code_version())", execution_count=1)
+        first.outputs = [nbformat.v4.new_output("stream", name="stdout", text=first_output)]
+        second = nbformat.v4.new_code_cell("x = 1", execution_count=2 if second_ran else None)
+        notebook.cells = [nbformat.v4.new_markdown_cell("# a"), first, second]
+        nbformat.write(notebook, path)
+        return path
+
+    line = "commit abc1234 · AMD EPYC, 2 cores, torch 2.13.0+cpu"
+    assert runner.ran_on(saved(tmp_path / "a.ipynb", f"ran on {line}\ndevice: cpu\n")) == line
+    assert runner.ran_on(saved(tmp_path / "b.ipynb", f"ran on {line}\n", second_ran=False)) is None
+    assert runner.ran_on(saved(tmp_path / "c.ipynb", "device: cpu\n")) is None
