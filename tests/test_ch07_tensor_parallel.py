@@ -227,6 +227,38 @@ def test_a_normal_shutdown_does_not_trip_the_watcher(tiny_dirs, monkeypatch):
     assert not aborted.is_set() and not state.dead_workers
 
 
+def test_rank_0_uses_its_share_of_the_cores_only_while_it_computes(tiny_dirs):
+    """torch's thread count belongs to the whole process: rank 0 computes on its fair share of
+    the cores, and any other engine of the process (TP=1 beside TP=2 in one benchmark) keeps the
+    count it had, before, between and after the tensor-parallel engine's steps."""
+    import torch
+
+    from minivllm.executor.multiproc import fair_share_of_threads
+
+    share = fair_share_of_threads(2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(share + 1)  # a count rank 0 must not leave behind, on any machine
+    try:
+        llm = LLM(tiny_dirs["2 KV heads"], tensor_parallel_size=2)
+        assert torch.get_num_threads() == share + 1
+        driver = llm.llm_engine.executor.driver_worker
+        seen = []
+        execute_model = driver.execute_model
+
+        def recording(*args):
+            seen.append(torch.get_num_threads())
+            return execute_model(*args)
+
+        driver.execute_model = recording
+        llm.generate(TINY_PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=3))
+        assert seen and set(seen) == {share}
+        assert torch.get_num_threads() == share + 1
+        llm.llm_engine.executor.shutdown()
+        assert torch.get_num_threads() == share + 1
+    finally:
+        torch.set_num_threads(before)
+
+
 # A process a terminal starts has SIGINT at its default; one a test runner's process starts
 # inherits that process's disposition, and a SIGINT some earlier test left ignored stays ignored
 # across exec (Python then installs no KeyboardInterrupt handler: three Ctrl-Cs 10 s apart were

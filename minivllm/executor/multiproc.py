@@ -24,6 +24,11 @@ and the tensor collectives are aborted, so rank 0 never waits in an all-reduce f
 is gone (gloo reports a closed connection at once; NCCL would wait out its timeout). The next
 call, or the one in flight, then stops the others and raises an error that names the rank and
 its exit code.
+
+The ranks on one machine share its cores, so rank 0 computes on its fair share of threads
+(`fair_share_of_threads`) — but only while it computes: the thread count is a setting of the
+whole process, and another engine in the same process (a benchmark's TP=1 beside TP=3) must
+keep its own.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +87,17 @@ def fair_share_of_threads(num_ranks: int) -> int:
     """CPU threads for each of `num_ranks` processes on this machine: together no more than
     its cores (more would make the ranks fight for them)."""
     return max(1, len(os.sched_getaffinity(0)) // num_ranks)
+
+
+@contextmanager
+def torch_threads(num_threads: int) -> Iterator[None]:
+    """torch computes on `num_threads` threads inside the block, on as many as before after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def launch_from_environment(size: int) -> Launch | None:
@@ -168,10 +186,10 @@ class MultiprocExecutor(Executor):
             process.start()
         # Everything a shutdown needs, apart from `self`, so that the finalizer (called on
         # `del llm`, at exit, or after a failure) can run without keeping the executor alive.
-        self.state = _ExecutorState(processes, torch.get_num_threads())
+        self.state = _ExecutorState(processes)
         self._finalizer = weakref.finalize(self, self.state.shutdown)
         watch_workers(processes, self.state.worker_died)
-        torch.set_num_threads(threads)
+        self.threads = threads
         try:
             if launch.store is not None:
                 wait_for_workers(launch.store, processes)
@@ -179,7 +197,8 @@ class MultiprocExecutor(Executor):
                 0, size, launch.init_method, resolve_device(config.device), launch.store
             )
             self.state.tp = self.tp
-            self.driver_worker = Worker(rank_config(config, 0), model_path, self.tp)
+            with torch_threads(threads):
+                self.driver_worker = Worker(rank_config(config, 0), model_path, self.tp)
         except BaseException as error:
             self._fail(error)
 
@@ -195,7 +214,8 @@ class MultiprocExecutor(Executor):
             self._fail(RuntimeError("a worker process ended"))
         try:
             self.tp.broadcast_object((method, args, reply))
-            result = getattr(self.driver_worker, method)(*args)
+            with torch_threads(self.threads):
+                result = getattr(self.driver_worker, method)(*args)
             return self.tp.gather_objects(result) if reply else [result]
         except BaseException as error:
             self._fail(error)
@@ -220,7 +240,6 @@ class MultiprocExecutor(Executor):
 @dataclass
 class _ExecutorState:
     processes: list
-    threads_before: int
     tp: TensorParallelGroup | None = None
     broken: bool = False
     closed: bool = False
@@ -251,7 +270,6 @@ class _ExecutorState:
                 process.kill()
                 process.join()
         destroy_tensor_parallel()
-        torch.set_num_threads(self.threads_before)
 
     def explain(self, error: BaseException) -> BaseException:
         """A clear error naming the workers that died, when some did (a dying worker's
