@@ -6,7 +6,7 @@ python scripts/run_notebooks.py --resume notebooks/*.ipynb
 
 The book's full run takes hours on two cores, so a run is resumable: `--resume` skips every
 notebook whose saved outputs already come from the code it would run now (its first output names
-the same commit and machine, see `code_version` and `machine_label`) and whose code cells all
+the same code commit and machine, see `code_version` and `machine_label`) and whose code cells all
 ran. A notebook that fails is reported and the others still run.
 """
 

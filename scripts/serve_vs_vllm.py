@@ -11,7 +11,11 @@ client against both servers.
         --out figures/09-vllm-bench-serve.json
 
 The workload is random 256-token prompts, 64 tokens out (ignore_eos), 32 prompts arriving as a
-Poisson process at 4 requests/s, float32: each server gets the same prompts (same seed).
+Poisson process at 4 requests/s, float32: each server gets the same prompts (same seed). The
+servers run interleaved in rounds (vLLM, minivllm, minivllm with the engine in a thread; again),
+each run on a freshly started server, through the book's harness (`bench/measure.py`): the report
+gives every number's median and range over the rounds, and minivllm's throughput over vLLM's
+taken within each round.
 
 A cross-check of minivllm's own client: against the minivllm server, `minivllm bench serve`'s
 client (`bench/serve.py`) runs the same shape of load after vLLM's (32 fresh chat prompts of 256
@@ -30,6 +34,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from minivllm.bench.measure import Spread, interleaved, ratio_within_rounds
 from minivllm.bench.vllm_peer import vllm_tuned_env
 
 SERVED_NAME = "smollm2"
@@ -120,6 +125,20 @@ def run_server(
     return {key: result[key] for key in keys if key in result}, our_result
 
 
+def summarize_values(spread: Spread) -> dict:
+    return {
+        "median": spread.median,
+        "low": spread.low,
+        "high": spread.high,
+        "values": spread.values,
+    }
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Each number of a server's rounds as its median, low, high and the values themselves."""
+    return {key: summarize_values(Spread(tuple(run[key] for run in runs))) for key in runs[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vllm-python", type=Path, required=True)
@@ -128,6 +147,7 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=4.0)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("figures/09-vllm-bench-serve.json"))
     args = parser.parse_args()
     if args.model is None:
@@ -153,26 +173,36 @@ def main() -> None:
             {},
         ),
     }
-    results, cross_check = {}, None
     with tempfile.TemporaryDirectory() as workdir:
-        for name, (command, env) in servers.items():
-            results[name], ours = run_server(
-                f"server{len(results)}", command, env, 8301, args, Path(workdir),
+
+        def serve_and_bench(name: str, command: list[str], env: dict) -> tuple[dict, dict | None]:
+            result = run_server(
+                name.replace(" ", "_"), command, env, 8301, args, Path(workdir),
                 ours=name == "minivllm",
             )  # fmt: skip
-            cross_check = ours or cross_check
-            print(name, results[name], flush=True)
-    ratio = results["minivllm"]["output_throughput"] / results["vllm (tuned)"]["output_throughput"]
+            print(name, result[0], flush=True)
+            return result
+
+        runs = {
+            name: lambda name=name, command=command, env=env: serve_and_bench(name, command, env)
+            for name, (command, env) in servers.items()
+        }
+        timings = interleaved(runs, repeats=args.rounds, warmups=0)
+    rounds = {name: [vllm for vllm, _ in timings.round_results[name]] for name in servers}
+    cross_check = [ours for _, ours in timings.round_results["minivllm"]]
+    throughput = {name: [run["output_throughput"] for run in rounds[name]] for name in servers}
+    ratio = ratio_within_rounds(throughput["minivllm"], throughput["vllm (tuned)"])
     report = {
         "workload": {k: getattr(args, k) for k in ("num_prompts", "request_rate", "input_len")}
-        | {"output_len": args.output_len, "dtype": "float32", "cpus": os.cpu_count()},
-        "servers": results,
-        "minivllm_over_vllm_output_throughput": ratio,
+        | {"output_len": args.output_len, "dtype": "float32", "cpus": os.cpu_count()}
+        | {"rounds": args.rounds},
+        "servers": {name: summarize(runs) for name, runs in rounds.items()},
+        "minivllm_over_vllm_output_throughput": summarize_values(ratio),
         # The minivllm server measured by both clients: vLLM's (random token ids) and ours
-        # (chat prompts of the same length), one after the other.
+        # (chat prompts of the same length), one after the other in each round.
         "clients_on_minivllm": {
-            "vllm bench serve": results["minivllm"],
-            "minivllm bench serve": cross_check,
+            "vllm bench serve": summarize(rounds["minivllm"]),
+            "minivllm bench serve": summarize(cross_check),
         },
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")

@@ -265,21 +265,36 @@ def test_engine_settings_name_a_backend_and_the_parallel_sizes(tiny_model_dirs):
         run_benchmark(BenchmarkContext.load(tiny_model_dirs["llama"]), None, ["engine:pp=2"])
 
 
-def test_code_version_names_the_checked_out_commit():
-    """Notebooks print it beside their numbers: it must be the commit the package runs from."""
+def test_code_version_names_the_last_commit_of_the_code(tmp_path):
+    """Notebooks print it beside their numbers: the last commit that changed the package (or its
+    scripts), "+changes" when the code differs from it; prose and notebook outputs are not code."""
     import subprocess
-    from pathlib import Path
 
     from minivllm.bench.benchmark import code_version
 
-    root = Path(__file__).resolve().parents[1]
-    head = subprocess.run(
-        ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert code_version() in (f"commit {head}", f"commit {head}+changes")
+    def git(*args: str) -> str:
+        command = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
+
+    def commit(path: str, text: str) -> str:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git("add", path)
+        git("commit", "-q", "-m", f"change {path}")
+        return git("rev-parse", "--short", "HEAD")
+
+    git("init", "-q")
+    code = commit("minivllm/engine.py", "x = 1\n")
+    assert code_version(tmp_path) == f"commit {code}"
+    commit("chapters/01.md", "# prose\n")
+    commit("notebooks/01.ipynb", "{}\n")
+    assert code_version(tmp_path) == f"commit {code}"  # a later commit of prose is not code
+    (tmp_path / "notebooks/01.ipynb").write_text("{ }\n")
+    assert code_version(tmp_path) == f"commit {code}"
+    (tmp_path / "minivllm/engine.py").write_text("x = 2\n")
+    assert code_version(tmp_path) == f"commit {code}+changes"
+    script = commit("scripts/run.py", "print()\n")
+    assert code_version(tmp_path) == f"commit {script}+changes"
 
 
 # vLLM's offline API is ours (LLM, SamplingParams, generate, reset_prefix_cache), so an

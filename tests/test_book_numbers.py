@@ -8,6 +8,7 @@ and sizes more than measurements.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -36,6 +37,14 @@ def notebook_output_text(path: Path) -> str:
             texts.append("".join(output.get("text", "")))
             texts.append("".join(output.get("data", {}).get("text/plain", "")))
     return "\n".join(texts)
+
+
+@functools.cache
+def printed_numbers(stem: str) -> tuple[tuple[float, int], ...]:
+    """Every decimal number notebooks/<stem>.ipynb printed (none for a chapter without one); read
+    once per test session, as many README rows cite the same notebooks."""
+    path = ROOT / "notebooks" / f"{stem}.ipynb"
+    return tuple(decimals(notebook_output_text(path))) if path.exists() else ()
 
 
 def section(text: str, heading: str) -> str:
@@ -78,8 +87,7 @@ CHAPTERS = [
     ids=[p.stem for p in CHAPTERS],
 )
 def test_measurement_numbers_come_from_the_notebook(chapter):
-    printed = decimals(notebook_output_text(ROOT / "notebooks" / f"{chapter.stem}.ipynb"))
-    missing = not_printed(measurement_section(chapter), printed)
+    missing = not_printed(measurement_section(chapter), printed_numbers(chapter.stem))
     assert not missing, f"{chapter.name} quotes numbers its notebook never printed: {missing}"
 
 
@@ -126,12 +134,7 @@ def test_readme_numbers_come_from_the_notebooks_they_cite(heading):
     wrong = []
     for sources, block in readme_blocks(heading):
         quoted = measured_text(block, heading)
-        printed = [
-            number
-            for stem in sources
-            if (ROOT / "notebooks" / f"{stem}.ipynb").exists()
-            for number in decimals(notebook_output_text(ROOT / "notebooks" / f"{stem}.ipynb"))
-        ]
+        printed = [number for stem in sources for number in printed_numbers(stem)]
         if missing := not_printed(quoted, printed):
             wrong.append((sources, missing, block[:80]))
     assert not wrong, (

@@ -716,15 +716,21 @@ def write_json(path: str | Path, workload: Workload, results: list[MethodResult]
     Path(path).write_text(json.dumps(record, indent=2))
 
 
-def code_version() -> str:
-    """The commit the package runs from (short hash, "+changes" when the code differs from it),
-    so a notebook's printed numbers say which code made them; the package version outside a
-    git checkout. The notebooks' outputs and figures are not code: running the book's notebooks
-    one after the other rewrites them, and the later ones still run on the same commit."""
+# What makes a notebook's numbers: the package, the scripts the notebooks run, the dependencies.
+# Prose, tests and the notebooks' own outputs and figures can change without changing a number.
+CODE_PATHS = ("minivllm", "scripts", "pyproject.toml")
+
+
+def code_version(root: Path | None = None) -> str:
+    """The last commit that changed the code (short hash, "+changes" when the checked-out code
+    differs from it), so a notebook's printed numbers say which code made them; the package
+    version outside a git checkout. Only `CODE_PATHS` count: a later commit of a chapter or of
+    the notebooks' outputs leaves the version alone, so a book run spread over several sittings,
+    with its finished notebooks committed in between, still names one version."""
     import subprocess
     from importlib.metadata import version
 
-    root = Path(__file__).resolve().parents[2]
+    root = root or Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
         command = ["git", "-C", str(root), *args]
@@ -733,10 +739,8 @@ def code_version() -> str:
         ).stdout.strip()
 
     try:
-        commit = git("rev-parse", "--short", "HEAD")
-        changed = git(
-            "status", "--porcelain", "--untracked-files=no", "--", ".", ":!notebooks", ":!figures"
-        )
+        commit = git("log", "-1", "--format=%h", "--", *CODE_PATHS)
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS)
     except (OSError, subprocess.SubprocessError):
         return f"minivllm {version('minivllm')}"
     return f"commit {commit}" + ("+changes" if changed else "")
