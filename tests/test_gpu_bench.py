@@ -20,7 +20,7 @@ from filelock import FileLock
 from minivllm.bench.gpu import ch09_serving, common, main, smoke
 from minivllm.bench.gpu.ch01b_sampler_cost import SAMPLER_SETTINGS
 from minivllm.bench.gpu.common import QUICK_SIZES, all_reduce_between_processes
-from minivllm.bench.measure import Spread
+from minivllm.bench.measure import Spread, rate_spread, ratio_spread
 from minivllm.models.loader import embedded_model_dir, load_tokenizer
 
 CHAPTER_STEMS = [
@@ -514,12 +514,16 @@ def test_engine_rounds_warm_up_only_when_repeated(engine_repeats, calls):
 
 
 def test_rates_and_ratios_are_taken_round_by_round():
-    rates = common.rate_spread(10, Spread((1.0, 2.0)))
+    rates = rate_spread(10, Spread((1.0, 2.0)))
     assert rates.values == (10.0, 5.0)
-    assert common.ratio_spread(rates, Spread((5.0, 5.0))).values == (2.0, 1.0)
+    assert ratio_spread(rates, Spread((5.0, 5.0))).values == (2.0, 1.0)
     with pytest.raises(ValueError):  # rounds of different runs cannot pair
-        common.ratio_spread(rates, Spread((5.0,)))
-    assert common.spread_record(rates, 1e3) == dict(median=7500.0, low=5000.0, high=10000.0)
+        ratio_spread(rates, Spread((5.0,)))
+    record = dict(median=7500.0, low=5000.0, high=10000.0)
+    assert common.spread_record(rates, 1e3) == record
+    # A record quotes the median and keeps the rounds beside it, for one spread or a list.
+    assert common.quoted("rate", rates, 1e3) == dict(rate=7500.0, rate_spread=record)
+    assert common.quoted("rate", [rates], 1e3) == dict(rate=[7500.0], rate_spread=[record])
 
 
 def test_unknown_chapters_are_refused_by_name():

@@ -14,16 +14,13 @@ from random import Random
 import torch
 
 from minivllm.baselines.naive import CausalAttention
-from minivllm.bench.gpu.common import Chapter, Run, plot_spreads, spread_record, style
+from minivllm.bench.gpu.common import Chapter, Run, plot_spreads, quoted, style
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.workloads import chat_prompt_of_length, throughput_workload
 
 
 def measure_naive_cost(run: Run) -> Chapter:
-    """One no-cache step against the sequence length, then the no-cache loop against
-    transformers' `generate` (which keeps a KV cache) on whole requests.
-
-    JSON: step_lengths (tokens), step_seconds (one forward pass over that many tokens, logits of
+    """JSON: step_lengths (tokens), step_seconds (one forward pass over that many tokens, logits of
     the last one: the median of `repeats` rounds, the lengths interleaved), step_seconds_spread
     (each length's {median, low, high}), and results: "hf", then "naive".
     """
@@ -37,7 +34,7 @@ def measure_naive_cost(run: Run) -> Chapter:
         hidden = run.model(ids, positions, CausalAttention([0, length]))
         return run.model.compute_logits(hidden[-1:])
 
-    steps = run.sweep({n: partial(one_step, n) for n in lengths})
+    steps = quoted("step_seconds", run.sweep({n: partial(one_step, n) for n in lengths}))
     workload = throughput_workload(
         run.tokenizer, run.sizes.naive_requests, (20, 300), run.sizes.naive_output
     )
@@ -45,7 +42,7 @@ def measure_naive_cost(run: Run) -> Chapter:
 
     what = "Cost of generation without a KV cache"
     fig, (ax1, ax2) = run.figure(what, workload, (12, 4.2), 1, 2)
-    plot_spreads(ax1, lengths, steps, 1e3)
+    plot_spreads(ax1, lengths, steps["step_seconds_spread"], 1e3)
     ax1.set_ylim(bottom=0)
     title = "a forward pass over the whole sequence, per new token"
     style(ax1, "sequence length L (tokens)", "time of one no-cache step (ms)", title)
@@ -55,9 +52,5 @@ def measure_naive_cost(run: Run) -> Chapter:
         workload,
         fig,
         results,
-        dict(
-            step_lengths=lengths,
-            step_seconds=[step.median for step in steps],
-            step_seconds_spread=[spread_record(step) for step in steps],
-        ),
+        dict(step_lengths=lengths) | steps,
     )

@@ -18,21 +18,19 @@ from minivllm.bench.gpu.common import (
     Run,
     dtype_name,
     plot_spreads,
-    rate_spread,
+    quoted,
     spread_record,
     style,
     time_decode_steps,
 )
 from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.measure import rate_spread
 from minivllm.bench.workloads import throughput_workload
 from minivllm.sample.sampler import Sampler
 
 
 def measure_kv_cache(run: Run) -> Chapter:
-    """Chapters 01-02's methods side by side; one decode step against the batch's rows; the KV
-    memory of one static batch of varied-length requests.
-
-    JSON: results ("hf", "naive", "kv-cache", "static", "static@bfloat16" and "hf-static", one
+    """JSON: results ("hf", "naive", "kv-cache", "static", "static@bfloat16" and "hf-static", one
     static batch of all requests; the bfloat16 row is for speed, its tokens may differ);
     decode_rows, decode_step_seconds (one decode step with decode_context cached tokens per row:
     the median of `repeats` rounds, the row counts interleaved), decode_step_seconds_spread
@@ -55,7 +53,7 @@ def measure_kv_cache(run: Run) -> Chapter:
     plot_throughput(results, "whole requests, one static batch", ax=ax1, baseline="naive")
     rows = list(sizes.decode_rows)
     # Tokens per second, round by round: a row makes one token a step.
-    rates = [rate_spread(r, step) for r, step in zip(rows, decode)]
+    rates = [spread_record(rate_spread(r, step)) for r, step in zip(rows, decode)]
     plot_spreads(ax2, rows, rates, color="tab:green")
     ax2.set_ylim(bottom=0)
     title = f"one decode step, {sizes.decode_context} cached tokens per row"
@@ -85,8 +83,7 @@ def measure_kv_cache(run: Run) -> Chapter:
         dict(
             decode_rows=rows,
             decode_context=sizes.decode_context,
-            decode_step_seconds=[step.median for step in decode],
-            decode_step_seconds_spread=[spread_record(step) for step in decode],
+            **quoted("decode_step_seconds", decode),
             kv_bytes_per_token=per_token,
             static_batch=static_batch,
         ),

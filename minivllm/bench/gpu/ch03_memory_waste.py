@@ -1,8 +1,9 @@
 """Chapter 03 (notebooks/03-paged-kv-blocks.ipynb) on a GPU: the KV memory paged blocks save.
 
-The engine run step by step: KV memory holding tokens, in paged blocks against a contiguous
-reservation per request (of its exact final length, or of the longest sequence allowed); then
-paged decode attention against the block size.
+The engine (no prefix caching) runs the varied-output workload step by step; after each step
+we count the tokens its running requests hold, the slots of the blocks they hold, and what a
+contiguous cache would reserve for the same requests (of each one's exact final length, or of
+the longest sequence allowed). Then paged decode attention against the block size.
 """
 
 from __future__ import annotations
@@ -14,9 +15,17 @@ import numpy as np
 import torch
 
 from minivllm.attention.torch_paged import TorchPagedAttention
-from minivllm.bench.attention import one_layer_pool, random_decode_step
 from minivllm.bench.benchmark import greedy_params
-from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run, plot_spreads, spread_record, style
+from minivllm.bench.gpu.common import (
+    DTYPE,
+    Chapter,
+    MiB,
+    Run,
+    decode_attention_step,
+    plot_spreads,
+    quoted,
+    style,
+)
 from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -28,19 +37,13 @@ BLOCK_SIZE = 16
 
 
 def measure_memory_waste(run: Run) -> Chapter:
-    """The engine (no prefix caching) runs the varied-output workload step by step; after each
-    step we count the tokens its running requests hold, the slots of the blocks they hold, and
-    what a contiguous cache would reserve for the same requests. Then paged decode attention
-    against the block size.
-
-    JSON: per_step {tokens_held, paged_slots, contiguous_final_slots (each request's final
+    """JSON: per_step {tokens_held, paged_slots, contiguous_final_slots (each request's final
     length), contiguous_max_slots (max_reservation per request)}; token_share {scheme: tokens
     held / slots reserved, summed over the steps}; kv_bytes_per_token; block_size;
-    max_reservation;
-    attention_block_sizes, attention_seconds (one decode-attention call of attention_seqs
-    sequences of attention_seq_len tokens, one layer: the median of `repeats` rounds, the block
-    sizes interleaved), attention_seconds_spread (each one's {median, low, high}),
-    attention_seqs, attention_seq_len.
+    max_reservation; attention_block_sizes, attention_seconds (one decode-attention call of
+    attention_seqs sequences of attention_seq_len tokens, one layer: the median of `repeats`
+    rounds, the block sizes interleaved), attention_seconds_spread (each one's {median, low,
+    high}), attention_seqs, attention_seq_len.
     """
     workload = run.varied_workload()
     max_reservation = min(MAX_RESERVATION, run.model.config.max_model_len)
@@ -55,7 +58,8 @@ def measure_memory_waste(run: Run) -> Chapter:
     )
     block_sizes = list(run.sizes.block_sizes)
     with torch.inference_mode():  # as in the engine: no autograd records, K/V written in place
-        attention = run.sweep({size: paged_attention_call(run, size) for size in block_sizes})
+        calls = {size: paged_attention_call(run, size) for size in block_sizes}
+        attention = quoted("attention_seconds", run.sweep(calls))
 
     per_token = run.model.config.kv_bytes_per_token(DTYPE)
     what = "KV memory: contiguous vs paged"
@@ -82,7 +86,7 @@ def measure_memory_waste(run: Run) -> Chapter:
     ax2.bar_label(bars, [f" {token_share[k]:.1%}" for k in labels])
     ax2.set_xlim(0, 100)
     style(ax2, "reserved KV memory holding tokens (%)", "", "over the whole run", grid=None)
-    plot_spreads(ax3, block_sizes, attention, 1e3, color="tab:green")
+    plot_spreads(ax3, block_sizes, attention["attention_seconds_spread"], 1e3, color="tab:green")
     ax3.set_ylim(bottom=0)
     sizes = f"{run.sizes.attention_seqs} seqs × {run.sizes.attention_seq_len} tokens, 1 layer"
     title = f"torch paged decode attention: {sizes}"
@@ -98,8 +102,7 @@ def measure_memory_waste(run: Run) -> Chapter:
             block_size=BLOCK_SIZE,
             max_reservation=max_reservation,
             attention_block_sizes=block_sizes,
-            attention_seconds=[call.median for call in attention],
-            attention_seconds_spread=[spread_record(call) for call in attention],
+            **attention,
             attention_seqs=run.sizes.attention_seqs,
             attention_seq_len=run.sizes.attention_seq_len,
         ),
@@ -141,9 +144,9 @@ def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[
 def paged_attention_call(run: Run, block_size: int) -> Callable[[], torch.Tensor]:
     """One decode-attention call (one query per sequence) over a pool of `block_size` blocks,
     each sequence's blocks scattered at random, one layer of the model's shapes."""
-    sizes, config = run.sizes, run.model.config
-    num_seqs, seq_len = sizes.attention_seqs, sizes.attention_seq_len
-    pool = one_layer_pool(config, num_seqs, seq_len, block_size, DTYPE, run.device)
-    step = random_decode_step(config, pool, num_seqs, seq_len)
+    sizes = run.sizes
+    pool, step = decode_attention_step(
+        run, sizes.attention_seqs, sizes.attention_seq_len, block_size
+    )
     attention = TorchPagedAttention(pool, step.metadata)
     return partial(attention, 0, step.q, step.k, step.v)

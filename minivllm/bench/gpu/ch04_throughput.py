@@ -12,22 +12,15 @@ from minivllm.bench.gpu_results import plot_throughput
 
 
 def measure_throughput(run: Run) -> Chapter:
-    """Static against continuous batching with the same number of seats, next to transformers'
-    padded batches, on requests whose outputs vary in length.
-
-    JSON: results ("hf-static:S", "static:S", "engine-no-prefix-cache",
+    """JSON: results ("hf-static:S", "static:S", "engine-no-prefix-cache",
     "engine-no-prefix-cache@bfloat16", S = seats; the engines run at most S sequences at once);
     seats.
     """
     seats = run.sizes.seats
     workload = run.varied_workload()
     ctx = run.context(batch_size=seats, engine_args=dict(max_num_seqs=seats))
-    methods = [
-        f"hf-static:{seats}",
-        f"static:{seats}",
-        "engine-no-prefix-cache",
-        "engine-no-prefix-cache@bfloat16",
-    ]
+    engine = "engine-no-prefix-cache"
+    methods = [f"hf-static:{seats}", f"static:{seats}", engine, f"{engine}@bfloat16"]
     results = run.benchmark(ctx, workload, methods)
 
     what = f"Static vs continuous batching, at most {seats} sequences at once"

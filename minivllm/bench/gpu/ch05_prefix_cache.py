@@ -6,16 +6,14 @@ a long system prompt: time to first token, throughput, prompt tokens computed.
 
 from __future__ import annotations
 
-from minivllm.bench.gpu.common import Chapter, Run, result_speedup, spread_record, style
+from minivllm.bench.gpu.common import Chapter, Run, quoted, result_speedup, style
 from minivllm.bench.workloads import shared_prefix_workload
 
 DTYPES = ("", "@bfloat16")  # each engine in the run's dtype, then in bfloat16
 
 
 def measure_prefix_cache(run: Run) -> Chapter:
-    """The engine with and without prefix caching, on requests sharing a long system prompt.
-
-    JSON: results ("engine-no-prefix-cache", "engine", then both "@bfloat16": median_ttft_s,
+    """JSON: results ("engine-no-prefix-cache", "engine", then both "@bfloat16": median_ttft_s,
     prompt_tokens_computed, output_tokens_per_s among their fields); prefix_cache_hit_rate (prompt
     tokens found cached over those looked up, the warm-up request's included); ttft_ratio (off /
     on, each the median request's in the last round); throughput_ratio (on / off, the median of
@@ -68,8 +66,7 @@ def measure_prefix_cache(run: Run) -> Chapter:
         dict(
             prefix_cache_hit_rate=hit_rate,
             ttft_ratio=off.median_ttft_s / on.median_ttft_s,
-            throughput_ratio=throughput.median,
-            throughput_ratio_spread=spread_record(throughput),
+            **quoted("throughput_ratio", throughput),
             prompt_tokens_computed=dict(
                 off=off.prompt_tokens_computed, on=on.prompt_tokens_computed
             ),

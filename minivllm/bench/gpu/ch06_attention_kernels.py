@@ -12,24 +12,23 @@ from functools import partial
 import torch
 
 from minivllm.attention import triton_paged
-from minivllm.bench.attention import (
-    attention_step_timings,
-    decode_attention_timings,
-    one_layer_pool,
-    random_decode_step,
-    random_step,
+from minivllm.bench.attention import attention_step_timings, decode_attention_timings
+from minivllm.bench.gpu.common import (
+    DTYPE,
+    Chapter,
+    Run,
+    decode_attention_step,
+    plot_spreads,
+    prefill_chunk,
+    spread_record,
+    style,
 )
-from minivllm.bench.gpu.common import DTYPE, Chapter, Run, plot_spreads, spread_record, style
 from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.measure import Timings
 
 
 def measure_attention_kernels(run: Run) -> Chapter:
-    """The attention backends side by side: decode attention per step over batch x context, one
-    prefill chunk after as many cached tokens, the Triton decode kernel's memory bandwidth
-    against a device-to-device copy's, and the engine on each backend.
-
-    JSON: results (the engine on each backend, varied-output workload: methods
+    """JSON: results (the engine on each backend, varied-output workload: methods
     "engine-no-prefix-cache:NAME", then "engine-no-prefix-cache:NAME@bfloat16", for speed);
     backends; decode_attention (a list of {batch, context, ms: {backend: ms of one step's
     attention, all layers, the median of `repeats` rounds, the backends interleaved}, ms_spread:
@@ -49,8 +48,7 @@ def measure_attention_kernels(run: Run) -> Chapter:
         dict(batch=b, context=c) | ms_of(timed, backends) for (b, c), timed in timings.items()
     ]
     chunk = sizes.prefill_chunk
-    pool = one_layer_pool(config, 1, 2 * chunk, 16, DTYPE, run.device)
-    prefill = random_step(config, pool, [chunk], [2 * chunk])
+    pool, prefill = prefill_chunk(run)
     prefill_timings = attention_step_timings(
         backends, pool, prefill, config.num_layers, sizes.repeats
     )
@@ -77,7 +75,7 @@ def measure_attention_kernels(run: Run) -> Chapter:
     contexts = list(sizes.kernel_contexts)
     for name in backends:
         for b in sizes.kernel_batches:
-            spreads = [timings[b, c].spread(name) for c in contexts]
+            spreads = [spread_record(timings[b, c].spread(name)) for c in contexts]
             plot_spreads(left, contexts, spreads, 1e3, label=f"{name}, batch {b}")
     ylabel = f"attention per decode step, {config.num_layers} layers (ms)"
     style(left, "context per sequence (tokens)", ylabel, log2_ticks=contexts, log_y=True)
@@ -112,17 +110,15 @@ def decode_bandwidth(run: Run) -> dict:
     second, against a device-to-device copy of as many bytes (read once, written once)."""
     sizes, config = run.sizes, run.model.config
     batch, context = max(sizes.kernel_batches), max(sizes.kernel_contexts)
-    pool = one_layer_pool(config, batch, context, 16, DTYPE, run.device)
-    step = random_decode_step(config, pool, batch, context)
+    pool, step = decode_attention_step(run, batch, context)
     kv = pool.layers[0]
-    metadata = step.metadata
     splits = triton_paged.choose_num_splits(batch, config.num_kv_heads, context, run.device)
     bytes_read = 2 * batch * context * config.num_kv_heads * config.head_dim * kv.element_size()
     source = torch.empty(bytes_read, dtype=torch.uint8, device=run.device)
     target = torch.empty_like(source)
     kernel = partial(
         triton_paged.paged_decode_attention,
-        step.q, kv, metadata.block_tables, metadata.seq_lens, splits,
+        step.q, kv, step.metadata.block_tables, step.metadata.seq_lens, splits,
     )  # fmt: skip
     kernel_s, copy_s = run.sweep({"kernel": kernel, "copy": partial(target.copy_, source)})
     gb_per_s = bytes_read / kernel_s.median / 1e9

@@ -2,9 +2,11 @@
 
 With 2+ GPUs, the engine alone against data parallel (DP=2) and tensor parallel (the smallest TP
 the model's heads and the GPUs allow: SmolLM2's 9 query / 3 KV heads need TP=3) on chapter 04's
-workload, and NCCL all-reduces between 2 GPUs; with one GPU, its decode step, matmul peak and
-memory bandwidth; on any device, the projected tensor-parallel decode step of this model and of
-a Llama-3-8B shape at TP = 1-8 over a spec-sheet NVLink ring.
+workload (greedy tokens compared), and NCCL all-reduces between 2 GPUs. With one GPU no engine
+runs. On a CPU (--quick) the same engines, their ranks and replicas processes sharing the cores,
+and gloo all-reduces between 2 processes. On every device: its decode step (this model in
+bfloat16), matmul peak and memory bandwidth, and `projected_step` of this model and of a
+Llama-3-8B shape at TP = 1..8 over a spec-sheet NVLink ring.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from minivllm.bench.gpu.common import (
     all_reduce_between_processes,
     dtype_name,
     engine_tensor_parallel_size,
-    error_bars,
     plot_rows,
+    plot_spreads,
     spread_record,
     style,
     tensor_parallel_sizes,
@@ -63,18 +65,7 @@ def nvlink(tp: int) -> Link:
 
 
 def measure_parallelism(run: Run) -> Chapter:
-    """Tensor and data parallelism where there are devices to split over, and otherwise what
-    one device can say about them.
-
-    With 2+ GPUs: the engine alone, at DP=2 and at the smallest TP that the model's heads and
-    the GPUs allow, on chapter 04's workload (greedy tokens compared), and NCCL all-reduces
-    between 2 GPUs. With one GPU no engine runs. On a CPU (--quick) the same engines, their
-    ranks and replicas processes sharing the cores, and gloo all-reduces between 2 processes.
-    On every device: its decode step (this model in bfloat16), matmul peak and memory
-    bandwidth, and `projected_step` of this model and of a Llama-3-8B shape at TP = 1..8 over a
-    spec-sheet NVLink ring.
-
-    JSON: results ("engine", "engine:dp=2", "engine:tp=N"; empty when no engine ran); num_gpus;
+    """JSON: results ("engine", "engine:dp=2", "engine:tp=N"; empty when no engine ran); num_gpus;
     skipped (why no engine ran, else null); tensor_parallel_size (the engine's, else null) and
     tensor_parallel_skipped (why none ran, else null); notes; all_reduce (rows {bytes, seconds}:
     one float32 all-reduce between 2 ranks, the slower rank's median; empty on one GPU),
@@ -82,10 +73,9 @@ def measure_parallelism(run: Run) -> Chapter:
     null; machine {name, peak_flops, bandwidth}: this device in bfloat16, measured;
     decode_steps (rows {batch, measured_s, measured_spread, projected_s}: one step of this
     model with parallel_context cached tokens per row, and the projection at TP=1, the
-    roofline);
-    projection_dtype, projection_context, projection_links (rows {tp, name, latency_s,
-    bandwidth}) and projection (rows {model, tp, batch, compute_s, communication_s, seconds,
-    speedup: over TP=1 at the same batch}).
+    roofline); projection_dtype, projection_context, projection_links (rows {tp, name,
+    latency_s, bandwidth}) and projection (rows {model, tp, batch, compute_s, communication_s,
+    seconds, speedup: over TP=1 at the same batch}).
     """
     sizes = run.sizes
     num_gpus = torch.cuda.device_count()
@@ -284,11 +274,9 @@ def plot_all_reduce(ax, all_reduce: list[dict], link: Link | None) -> None:
 
 def plot_decode_steps(ax, run: Run, decode_steps: list[dict], projection: list[dict]) -> None:
     where = "1 GPU" if run.device.type == "cuda" else "this CPU"
-    # Milliseconds: the median of each batch's rounds, and their range as an error bar.
-    spreads = [{k: v * 1e3 for k, v in row["measured_spread"].items()} for row in decode_steps]
-    batches, medians = [row["batch"] for row in decode_steps], [s["median"] for s in spreads]
-    label = f"measured, {where}"
-    ax.errorbar(batches, medians, error_bars(spreads), fmt="o-", capsize=3, color="k", label=label)
+    spreads = [row["measured_spread"] for row in decode_steps]
+    batches = [row["batch"] for row in decode_steps]
+    plot_spreads(ax, batches, spreads, 1e3, color="k", label=f"measured, {where}")
     ours = [row for row in projection if row["model"] == run.model_name]
     for tp in sorted({row["tp"] for row in ours}):
         rows = [row for row in ours if row["tp"] == tp]

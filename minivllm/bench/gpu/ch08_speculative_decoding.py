@@ -3,7 +3,8 @@
 Plain decoding against n-gram speculation (k = 3 and 5 draft tokens) and a layer-skip draft,
 greedy: copying and free-writing requests at batch 1 (speedup, equal tokens, acceptance per
 draft position), then the copying requests at batch 1-64, plain against k = 3. A full run adds
-plain and k = 3 in bfloat16 at batch 1.
+plain and k = 3 in bfloat16 at batch 1. The engines run without prefix caching: the copies of a
+paragraph in a batch would otherwise share their prompt, and what is measured here is decoding.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from minivllm.bench.gpu.common import (
     dtype_name,
     error_bars,
     generate_tokens,
+    plot_spreads,
+    quoted,
     rate_and_ratio,
-    spread_record,
     style,
 )
 from minivllm.bench.workloads import Workload
@@ -63,15 +65,7 @@ BFLOAT16_METHODS = ("plain", SWEEP_METHOD)
 
 
 def measure_speculative_decoding(run: Run) -> Chapter:
-    """Plain decoding against n-gram speculation (k = 3 and 5 draft tokens), greedy.
-
-    At batch 1 (each request alone) on copying and free-writing requests, then the copying
-    requests at growing batch sizes, plain against k=3. The engines run without prefix caching:
-    the copies of a paragraph in a batch would otherwise share their prompt, and what is
-    measured here is decoding.
-
-    Every comparison runs the engines interleaved in `engine_repeats` rounds: a rate is the
-    median of its rounds, a ratio the median of the ratios taken within each round.
+    """Every comparison runs the engines interleaved in `engine_repeats` rounds.
 
     JSON: results (empty); max_tokens; batch1 (rows {workload, method, tokens_per_s, speedup:
     over plain on the same workload, same_tokens: as plain's, tokens_per_s_spread and
@@ -119,17 +113,9 @@ def measure_speculative_decoding(run: Run) -> Chapter:
                 key = f"{method}/{workload}"
                 acceptance[key] = acceptance_per_position(before[method], after, k)
                 verification_steps[key] = counter_delta(before[method], after, DRAFTS)
-            batch1.append(
-                dict(
-                    workload=workload,
-                    method=method,
-                    tokens_per_s=rate.median,
-                    tokens_per_s_spread=spread_record(rate),
-                    speedup=speedup.median,
-                    speedup_spread=spread_record(speedup),
-                    same_tokens=timings.results[method] == timings.results[plain],
-                )
-            )
+            same_tokens = timings.results[method] == timings.results[plain]
+            row = dict(workload=workload, method=method) | quoted("tokens_per_s", rate)
+            batch1.append(row | quoted("speedup", speedup) | dict(same_tokens=same_tokens))
             print(f"batch 1, {workload}, {method}: {rate.format(1)} tokens/s ({speedup.format()}x)")
 
     batch_sweep = []
@@ -140,15 +126,8 @@ def measure_speculative_decoding(run: Run) -> Chapter:
         )  # fmt: skip
         speculative, ratio = rate_and_ratio(timings, SWEEP_METHOD, "plain")
         plain, _ = rate_and_ratio(timings, "plain", "plain")
-        batch_sweep.append(
-            dict(
-                batch=batch,
-                plain_tokens_per_s=plain.median,
-                speculative_tokens_per_s=speculative.median,
-                ratio=ratio.median,
-                ratio_spread=spread_record(ratio),
-            )
-        )
+        medians = dict(plain_tokens_per_s=plain.median, speculative_tokens_per_s=speculative.median)
+        batch_sweep.append(dict(batch=batch) | medians | quoted("ratio", ratio))
         rates = f"plain {plain.format(1)}, {SWEEP_METHOD} {speculative.format(1)}"
         print(f"batch {batch}: {rates} tokens/s")
 
@@ -190,22 +169,21 @@ def speculative_engines(
         [run.sizes.spec_output + most_drafts] * len(largest_batch),
         "",
     )
-    budget = run.kv_budget(largest, dtype)
-    engine = partial(
-        LLM, run.model_dir, dtype=dtype, device=run.device, enable_prefix_caching=False
-    )
     suffix = "" if dtype == DTYPE else "@" + dtype_name(dtype)
     engines = {}
     num_layers = run.model.config.num_layers
     for name in names:
-        config = SPECULATIVE.get(name)  # None: plain decoding
-        pool_bytes = budget
+        config, layers = SPECULATIVE.get(name), num_layers  # config None: plain decoding
         if config is not None and config["method"] == "layer_skip":
             # The draft's layers keep K/V of their own: a block costs that much more.
             draft_layers = min(max(1, round(LAYER_SKIP_SHARE * num_layers)), num_layers - 1)
             config = config | {"num_draft_layers": draft_layers}
-            pool_bytes = budget * (num_layers + draft_layers) // num_layers
-        engines[name + suffix] = engine(speculative_config=config, kv_cache_memory_bytes=pool_bytes)
+            layers += draft_layers
+        pool_bytes = run.kv_budget(largest, dtype) * layers // num_layers
+        engines[name + suffix] = run.engine(
+            largest, dtype, speculative_config=config, enable_prefix_caching=False,
+            kv_cache_memory_bytes=pool_bytes,
+        )  # fmt: skip
     return engines
 
 
@@ -260,10 +238,8 @@ def plot_speculative_decoding(
     style(ax1, "", ylabel, "batch 1: each request alone", legend=8, grid="y")
 
     batches = [row["batch"] for row in batch_sweep]
-    spreads = error_bars([row["ratio_spread"] for row in batch_sweep])
-    ratios = [row["ratio"] for row in batch_sweep]
-    label = f"{SWEEP_METHOD} / plain"
-    ax2.errorbar(batches, ratios, yerr=spreads, fmt="o-", capsize=3, label=label)
+    spreads = [row["ratio_spread"] for row in batch_sweep]
+    plot_spreads(ax2, batches, spreads, label=f"{SWEEP_METHOD} / plain")
     ax2.axhline(1, color="gray", linewidth=0.8)
     title = "copying requests, all submitted at once"
     style(ax2, "copying requests in the batch", ylabel, title, batches, legend=8)

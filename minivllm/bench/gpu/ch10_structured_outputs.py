@@ -18,12 +18,11 @@ from minivllm.bench.gpu.common import (
     chat_requests,
     dtype_name,
     generate_tokens,
+    quoted,
     rate_and_ratio,
-    spread_record,
 )
 from minivllm.bench.measure import Spread, stopwatch
 from minivllm.bench.workloads import Workload
-from minivllm.entrypoints.llm import LLM
 from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 PERSON_SCHEMA = {
@@ -34,9 +33,8 @@ PERSON_SCHEMA = {
 
 
 def measure_structured_outputs(run: Run) -> Chapter:
-    """The same chat requests (greedy) answered freely and under a JSON schema, one batch each
-    on one engine: the grammar's cost is the bitmask each sampled row gets and the matchers
-    advanced by each token. The schema's first compile is timed apart (xgrammar caches it).
+    """The grammar's cost is the bitmask each sampled row gets and the matchers advanced by each
+    token. The schema's first compile is timed apart (xgrammar caches it).
 
     JSON: results (empty); rows: [{"mode", "requests", "output_tokens", "seconds" (the median
     of `engine_repeats` rounds, the two modes interleaved), "seconds_spread", "tokens_per_s"}]
@@ -75,12 +73,7 @@ def measure_structured_outputs(run: Run) -> Chapter:
         workload,
         fig,
         [],
-        dict(
-            rows=rows,
-            ratio=ratio.median,
-            ratio_spread=spread_record(ratio),
-            compile_seconds=compile_seconds,
-        ),
+        dict(rows=rows, **quoted("ratio", ratio), compile_seconds=compile_seconds),
     )
 
 
@@ -92,13 +85,7 @@ def free_and_constrained(
     ("@bfloat16" after the mode when not the run's dtype), the schema's rate over the free one
     round by round, and the seconds of the schema's first compile (a one-off)."""
     suffix = "" if dtype == DTYPE else "@" + dtype_name(dtype)
-    llm = LLM(
-        str(run.model_dir),
-        dtype=dtype,
-        device=str(run.device),
-        enforce_eager=run.quick,
-        kv_cache_memory_bytes=run.kv_budget(workload, dtype),
-    )
+    llm = run.engine(workload, dtype, enforce_eager=run.quick)
     prompts = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
     schema = StructuredOutputsParams(json=PERSON_SCHEMA)
     with stopwatch() as compile_watch:  # generate returns tokens on the host: no sync needed
@@ -113,14 +100,6 @@ def free_and_constrained(
     for mode in modes:
         tokens = sum(map(len, timings.results[mode]))
         seconds = timings.spread(mode)
-        rows.append(
-            dict(
-                mode=mode + suffix,
-                requests=len(prompts),
-                output_tokens=tokens,
-                seconds=seconds.median,
-                seconds_spread=spread_record(seconds),
-                tokens_per_s=tokens / seconds.median,
-            )
-        )
+        row = dict(mode=mode + suffix, requests=len(prompts), output_tokens=tokens)
+        rows.append(row | quoted("seconds", seconds) | dict(tokens_per_s=tokens / seconds.median))
     return rows, rate_and_ratio(timings, "json schema", "free")[1], compile_watch.seconds

@@ -13,11 +13,7 @@ from minivllm.bench.workloads import throughput_workload
 
 
 def measure_compiled_step(run: Run) -> Chapter:
-    """The eager engine against the compiled one, which on a GPU also replays its decode steps
-    from CUDA graphs, in float32 and bfloat16: a single request decoding (batch 1) and the
-    varied-output workload.
-
-    JSON: results (the varied-output workload: "engine-no-prefix-cache:eager",
+    """JSON: results (the varied-output workload: "engine-no-prefix-cache:eager",
     "engine-no-prefix-cache:compiled" and both "@bfloat16"); batch1 (the same four methods on one
     request, each a result record); speedups {"batch1", "varied"} -> dtype -> compiled / eager
     (the median of the ratios within `engine_repeats` rounds) and speedup_spreads beside them

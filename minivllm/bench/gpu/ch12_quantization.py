@@ -3,10 +3,10 @@
 The engine with its weights in float32, bfloat16, int8 and int4 (both quantized at load, the
 activations in bfloat16: tinygemm's int4 kernel takes bfloat16 only) and, on the embedded
 model, the GGUF file's own 4-bit blocks: one request decoding alone (batch 1, where a step reads
-every weight to make one token) and 32 at once. Next to each rate, the memory-bandwidth bound of
-its scheme (the step's bytes, `roofline.decode_step_cost`, over the measured bandwidth), the
-bytes its weights hold once loaded, and the kernel its layers multiply with (a layer the kernel
-refuses falls back to a dequantized copy per call: the reference path).
+every weight to make one token) and 32 at once (2 in a quick run). Next to each rate, the
+memory-bandwidth bound of its scheme (the step's bytes, `roofline.decode_step_cost`, over the
+measured bandwidth), the bytes its weights hold once loaded, and the kernel its layers multiply
+with (a layer the kernel refuses falls back to a dequantized copy per call: the reference path).
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ BATCH, QUICK_BATCH = 32, 2  # requests decoding at once in the batched workload
 
 
 def measure_quantization(run: Run) -> Chapter:
-    """The engine in each weight format, at batch 1 and at batch 32 (2 in a quick run), each
-    workload's requests decoding run.sizes.single_output tokens.
+    """Each workload's requests decode `single_output` tokens.
 
     JSON: results (batch 1, "workload" its workload: "engine-no-prefix-cache" in float32,
     "engine-no-prefix-cache@bfloat16", "engine-no-prefix-cache:int8@bfloat16", ":int4@bfloat16"

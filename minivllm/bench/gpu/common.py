@@ -18,7 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from matplotlib.axes import Axes
 
+from minivllm.attention.backend import PagedKVCache
 from minivllm.baselines.kv_cache import ContiguousKVCache
+from minivllm.bench.attention import AttentionStep, one_layer_pool, random_decode_step, random_step
 from minivllm.bench.benchmark import (
     BenchmarkContext,
     MethodResult,
@@ -30,8 +32,8 @@ from minivllm.bench.benchmark import (
     workload_kv_cache_bytes,
     write_json,
 )
-from minivllm.bench.gpu_results import GPU_RESULTS_DIR, plot_throughput
-from minivllm.bench.measure import Spread, Timings, interleaved, ratio_within_rounds
+from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.measure import Spread, Timings, interleaved, rate_spread, ratio_spread
 from minivllm.bench.workloads import Workload, varied_output_workload
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.entrypoints.llm import LLM
@@ -43,7 +45,6 @@ from minivllm.sample.sampling_params import SamplingParams
 from minivllm.tokenizer import apply_chat_template
 
 DTYPE = torch.float32
-DEFAULT_OUT = GPU_RESULTS_DIR
 MiB = 2**20
 Result = TypeVar("Result")
 
@@ -182,6 +183,15 @@ class Run:
         print(format_table(results))
         return results
 
+    def engine(self, workload: Workload, dtype: torch.dtype = DTYPE, **settings) -> LLM:
+        """An engine on the run's model and device in `dtype`, its KV pool sized for
+        `workload` (`kv_budget`), with the engine settings `settings`."""
+        budget = self.kv_budget(workload, dtype)
+        settings = (
+            dict(dtype=dtype, device=str(self.device), kv_cache_memory_bytes=budget) | settings
+        )
+        return LLM(str(self.model_dir), **settings)
+
     def varied_workload(self) -> Workload:
         """The varied-output workload at the run's sizes: chapters 02-04's, 06's, 07's, 11's."""
         sizes = self.sizes
@@ -232,17 +242,14 @@ class Run:
     def figure(
         self, what: str, workload: Workload | None, size: tuple[float, float], *grid: int
     ) -> tuple[plt.Figure, Any]:
-        """A figure of `grid` (rows, columns) panels, one by default, under `title`'s line."""
+        """A figure of `grid` (rows, columns) panels, one by default, titled with the
+        measurement, model, dtype, device and workload."""
         fig, axes = plt.subplots(*grid, figsize=size, layout="constrained")
-        fig.suptitle(self.title(what, workload), fontsize=10)
-        return fig, axes
-
-    def title(self, what: str, workload: Workload | None = None) -> str:
-        """A figure title naming the measurement, model, dtype, device and workload."""
-        line = f"{what} · {self.model_name} · {dtype_name(DTYPE)} · {device_label()}"
+        title = f"{what} · {self.model_name} · {dtype_name(DTYPE)} · {device_label()}"
         if workload is not None:
-            line += f"\n{workload.name}: {workload.description}"
-        return line
+            title += f"\n{workload.name}: {workload.description}"
+        fig.suptitle(title, fontsize=10)
+        return fig, axes
 
 
 @dataclass
@@ -297,9 +304,19 @@ def spread_record(spread: Spread, scale: float = 1.0) -> dict[str, float]:
     return dict(median=spread.median * scale, low=spread.low * scale, high=spread.high * scale)
 
 
-def plot_spreads(ax: Axes, xs: list, spreads: list[Spread], scale: float = 1.0, **look) -> None:
-    """Medians joined by a line, each with its rounds' range as an error bar (times `scale`)."""
+def quoted(key: str, spreads: Spread | list[Spread], scale: float = 1.0) -> dict:
+    """How a record quotes rounds: under `key` the median (a list of them, for a list of
+    spreads), under `key`_spread each one's `spread_record`, all times `scale`."""
+    if isinstance(spreads, Spread):
+        return {key: spreads.median * scale, f"{key}_spread": spread_record(spreads, scale)}
     records = [spread_record(spread, scale) for spread in spreads]
+    return {key: [record["median"] for record in records], f"{key}_spread": records}
+
+
+def plot_spreads(ax: Axes, xs: list, records: list[dict], scale: float = 1.0, **look) -> None:
+    """Medians joined by a line, each with its rounds' range as an error bar: `spread_record`s,
+    times `scale`."""
+    records = [{name: value * scale for name, value in record.items()} for record in records]
     medians = [record["median"] for record in records]
     ax.errorbar(xs, medians, yerr=error_bars(records), fmt="o-", capsize=3, **look)
 
@@ -358,17 +375,6 @@ def style(
         ax.legend(fontsize=legend)
     if grid:
         ax.grid(axis=grid, alpha=0.3)
-
-
-def rate_spread(tokens: float, seconds: Spread) -> Spread:
-    """Tokens per second, round by round."""
-    return Spread(tuple(tokens / s for s in seconds.values))
-
-
-def ratio_spread(numerators: Spread, denominators: Spread) -> Spread:
-    """A ratio taken within each round (the same round's values over each other), so that the
-    machine's drift from round to round cancels."""
-    return ratio_within_rounds(numerators.values, denominators.values)
 
 
 def result_speedup(results: list[MethodResult], method: str, baseline: str) -> Spread:
@@ -461,6 +467,24 @@ def time_decode_steps(
 @torch.inference_mode()
 def _decode_step(model: LlamaForCausalLM, ids, positions, cache, seq_lens) -> torch.Tensor:
     return model.compute_logits(model(ids, positions, cache.decode(seq_lens)))
+
+
+def decode_attention_step(
+    run: Run, seqs: int, context: int, block_size: int = 16, pool_seqs: int | None = None
+) -> tuple[PagedKVCache, AttentionStep]:
+    """A decode step of `seqs` sequences of `context` tokens over random K/V, their blocks
+    scattered over a one-layer pool of the model's shapes with room for `pool_seqs` (`seqs` by
+    default) such sequences: bench/attention.py's pool and step, in the run's dtype."""
+    config = run.model.config
+    pool = one_layer_pool(config, pool_seqs or seqs, context, block_size, DTYPE, run.device)
+    return pool, random_decode_step(config, pool, seqs, context)
+
+
+def prefill_chunk(run: Run) -> tuple[PagedKVCache, AttentionStep]:
+    """Chapter 06's prefill chunk: `prefill_chunk` new tokens after as many cached."""
+    config, chunk = run.model.config, run.sizes.prefill_chunk
+    pool = one_layer_pool(config, 1, 2 * chunk, 16, DTYPE, run.device)
+    return pool, random_step(config, pool, [chunk], [2 * chunk])
 
 
 def chat_requests(run: Run, messages: list[str]) -> list[dict]:

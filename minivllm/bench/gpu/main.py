@@ -31,16 +31,9 @@ from minivllm.bench.gpu.ch09_serving import measure_serving
 from minivllm.bench.gpu.ch10_structured_outputs import measure_structured_outputs
 from minivllm.bench.gpu.ch11_compiled_step import measure_compiled_step
 from minivllm.bench.gpu.ch12_quantization import measure_quantization
-from minivllm.bench.gpu.common import (
-    DEFAULT_OUT,
-    DTYPE,
-    Run,
-    chapter_number,
-    device_slug,
-    load_run,
-    save,
-)
+from minivllm.bench.gpu.common import DTYPE, Run, chapter_number, device_slug, load_run, save
 from minivllm.bench.gpu.smoke import measure_smoke
+from minivllm.bench.gpu_results import GPU_RESULTS_DIR
 from minivllm.bench.measure import stopwatch
 
 # Chapter number -> its measurement, in the order they run: the smoke first, so that a branch
@@ -111,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help=f"where results go, in a folder per device (default: {DEFAULT_OUT}; "
+        help=f"where results go, in a folder per device (default: {GPU_RESULTS_DIR}; "
         "with --quick, a temporary directory)",
     )
     return parser.parse_args(argv)
@@ -131,7 +124,9 @@ def main(argv: list[str] | None = None) -> Path:
             "the GPU bench measures on a CUDA GPU and found none. On a CPU the notebooks' full "
             "mode is the measurement (make notebooks); --quick checks the bench at tiny sizes."
         )
-    out = args.out or (Path(tempfile.mkdtemp(prefix="gpu-bench-")) if args.quick else DEFAULT_OUT)
+    out = args.out or (
+        Path(tempfile.mkdtemp(prefix="gpu-bench-")) if args.quick else GPU_RESULTS_DIR
+    )
     out_dir = out / device_slug()
     out_dir.mkdir(parents=True, exist_ok=True)
     plt.switch_backend("agg")  # figures go to files only

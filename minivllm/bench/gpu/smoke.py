@@ -28,16 +28,17 @@ import torch
 from minivllm.attention import triton_paged
 from minivllm.attention.backend import PagedAttentionBackend, PagedKVCache, get_attention_backend
 from minivllm.attention.torch_paged import TorchPagedAttention
-from minivllm.bench.attention import AttentionStep, one_layer_pool, random_decode_step, random_step
+from minivllm.bench.attention import AttentionStep
 from minivllm.bench.benchmark import matching_token_share
 from minivllm.bench.gpu.common import (
-    DTYPE,
     Chapter,
     Run,
     all_reduce_between_processes,
     chat_requests,
+    decode_attention_step,
     engine_tensor_parallel_size,
     generate_tokens,
+    prefill_chunk,
 )
 from minivllm.bench.workloads import Workload
 from minivllm.entrypoints.llm import LLM
@@ -59,23 +60,17 @@ class Smoke:
     engine's tokens (made once, by the first branch that compares with them)."""
 
     run: Run
+    workload: Workload  # every engine's KV pool is sized for it
     prompts: list[dict]
     params: SamplingParams
-    kv_cache_memory_bytes: int  # every engine's pool: room for the prompts and their tokens
     _eager_tokens: list[list[int]] | None = field(default=None, repr=False)
 
     @contextmanager
     def engine(self, **settings) -> Iterator[LLM]:
         """An engine on the run's model, eager and in the run's dtype unless `settings` say
         otherwise, shut down afterwards (parallel engines hold processes and GPUs)."""
-        args = dict(
-            dtype=DTYPE,
-            device=self.run.device,
-            enforce_eager=True,
-            max_num_seqs=len(self.prompts),
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-        )
-        llm = LLM(self.run.model_dir, **(args | settings))
+        args = dict(enforce_eager=True, max_num_seqs=len(self.prompts)) | settings
+        llm = self.run.engine(self.workload, **args)
         try:
             yield llm
         finally:
@@ -119,9 +114,8 @@ def measure_smoke(run: Run) -> Chapter:
         f"{len(prompts)} chat requests, {output} new tokens each, greedy; one decode step and "
         "one prefill chunk of random attention inputs",
     )
-    budget = run.kv_budget(workload)
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
-    smoke = Smoke(run, prompts, params, budget)
+    smoke = Smoke(run, workload, prompts, params)
 
     branches, details, tracebacks = {}, {}, {}
     for name, check in BRANCHES.items():
@@ -280,17 +274,8 @@ def decode_step(run: Run, context: int | None = None) -> tuple[PagedKVCache, Att
     """Chapter 06's decode step with the longest context of its grid (or `context` tokens), at
     its smallest batch (the most splits), in a pool of the grid's size: chapter 06 then finds
     flex's kernels for it compiled."""
-    sizes, config = run.sizes, run.model.config
-    context = context or max(sizes.kernel_contexts)
-    pool = one_layer_pool(config, max(sizes.kernel_batches), context, 16, DTYPE, run.device)
-    return pool, random_decode_step(config, pool, min(sizes.kernel_batches), context)
-
-
-def prefill_chunk(run: Run) -> tuple[PagedKVCache, AttentionStep]:
-    """Chapter 06's prefill chunk: `prefill_chunk` new tokens after as many cached."""
-    config, chunk = run.model.config, run.sizes.prefill_chunk
-    pool = one_layer_pool(config, 1, 2 * chunk, 16, DTYPE, run.device)
-    return pool, random_step(config, pool, [chunk], [2 * chunk])
+    batches, context = run.sizes.kernel_batches, context or max(run.sizes.kernel_contexts)
+    return decode_attention_step(run, min(batches), context, pool_seqs=max(batches))
 
 
 def against_torch(
