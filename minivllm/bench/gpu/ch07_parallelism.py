@@ -248,24 +248,19 @@ def plot_parallelism(
 
 
 def plot_all_reduce(ax, all_reduce: list[dict], link: Link | None) -> None:
-    message = np.geomspace(2**8, 2**28, 60)  # bytes
+    # Each link's modelled all-reduce time (µs) over the messages: (link, line, colour, label).
+    lines = [
+        (nvlink(tp), "--", TP_COLORS[tp], f"ring of {tp} GPUs, {NVLINK_NAME}") for tp in (2, 8)
+    ]
     if all_reduce:
         label = f"measured, {link.name.removesuffix(' (measured)')}"
         plot_rows(ax, all_reduce, "bytes", "seconds", "o", 1e6, color="black", label=label)
-        ax.plot(
-            message,
-            [link.all_reduce_seconds(n) * 1e6 for n in message],
-            color="black",
-            label=f"fit: {link.latency_s * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s",
-        )
-    for tp in (2, 8):
-        ax.plot(
-            message,
-            [nvlink(tp).all_reduce_seconds(n) * 1e6 for n in message],
-            "--",
-            color=TP_COLORS[tp],
-            label=f"ring of {tp} GPUs, {NVLINK_NAME}",
-        )
+        fit = f"fit: {link.latency_s * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s"
+        lines.insert(0, (link, "-", "black", fit))
+    message = np.geomspace(2**8, 2**28, 60)  # bytes
+    for modelled, line, color, label in lines:
+        seconds = [modelled.all_reduce_seconds(n) * 1e6 for n in message]
+        ax.plot(message, seconds, line, color=color, label=label)
     ax.set_xscale("log", base=2)
     measured = "measured between 2 ranks" if all_reduce else "none measured (one GPU)"
     xlabel, ylabel = "all-reduce message (bytes)", "time of one all-reduce (µs)"

@@ -20,6 +20,7 @@ from minivllm.bench.gpu.common import (
     Chapter,
     Run,
     chat_requests,
+    chat_workload,
     dtype_name,
     error_bars,
     generate_tokens,
@@ -132,13 +133,12 @@ def measure_speculative_decoding(run: Run) -> Chapter:
         print(f"batch {batch}: {rates} tokens/s")
 
     n = len(PARAGRAPHS)
-    workload = Workload(
-        "copy-and-free-write",
-        [p["prompt_token_ids"] for prompts in workloads.values() for p in prompts],
-        [sizes.spec_output] * (n + len(STORIES)),
+    description = (
         f"{n} chat requests to copy a paragraph word for word and {len(STORIES)} to write "
-        f"freely, greedy, at most {sizes.spec_output} tokens each",
+        f"freely, greedy, at most {sizes.spec_output} tokens each"
     )
+    every_prompt = [prompt for prompts in workloads.values() for prompt in prompts]
+    workload = chat_workload("copy-and-free-write", every_prompt, sizes.spec_output, description)
     return Chapter(
         "08-speculative-decoding",
         workload,
@@ -162,13 +162,8 @@ def speculative_engines(
     (every engine loads its own copy of the model: left to themselves, they would each take
     most of a GPU, or 2 GiB of zeroed CPU memory)."""
     most_drafts = max(s["num_speculative_tokens"] for s in SPECULATIVE.values())
-    largest = Workload(
-        "largest-batch",
-        [p["prompt_token_ids"] for p in largest_batch],
-        # The verification step writes the drafts' KV too: room for them past the last token.
-        [run.sizes.spec_output + most_drafts] * len(largest_batch),
-        "",
-    )
+    # The verification step writes the drafts' KV too: room for them past the last token.
+    largest = chat_workload("largest-batch", largest_batch, run.sizes.spec_output + most_drafts, "")
     suffix = "" if dtype == DTYPE else "@" + dtype_name(dtype)
     engines = {}
     num_layers = run.model.config.num_layers

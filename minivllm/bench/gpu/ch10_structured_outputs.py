@@ -16,6 +16,7 @@ from minivllm.bench.gpu.common import (
     Chapter,
     Run,
     chat_requests,
+    chat_workload,
     dtype_name,
     generate_tokens,
     quoted,
@@ -43,16 +44,10 @@ def measure_structured_outputs(run: Run) -> Chapter:
     the ratios within rounds) and ratio_spread; compile_seconds (one run).
     """
     messages = [f"Describe person number {i} as JSON with a name and an age." for i in range(8)]
-    prompts = (chat_requests(run, messages) * run.sizes.grammar_requests)[
-        : run.sizes.grammar_requests
-    ]
-    workload = Workload(
-        "json-person",
-        [p["prompt_token_ids"] for p in prompts],
-        [run.sizes.grammar_output] * len(prompts),
-        f"{len(prompts)} chat requests for a person as JSON, greedy, at most "
-        f"{run.sizes.grammar_output} tokens",
-    )
+    requests, output = run.sizes.grammar_requests, run.sizes.grammar_output
+    prompts = (chat_requests(run, messages) * requests)[:requests]
+    description = f"{requests} chat requests for a person as JSON, greedy, at most {output} tokens"
+    workload = chat_workload("json-person", prompts, output, description)
     rows, ratio, compile_seconds = free_and_constrained(run, workload, DTYPE)
     if not run.quick:  # a quick run checks float32 only: every engine costs a start
         rows += free_and_constrained(run, workload, torch.bfloat16)[0]

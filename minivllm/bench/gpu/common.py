@@ -5,6 +5,7 @@ over random K/V, chat requests, tensor-parallel sizes, all-reduces between proce
 
 from __future__ import annotations
 
+import gc
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -55,10 +56,7 @@ def size(full, quick):
 
 
 # Every size twice, `size(a full run on a GPU, a quick run)`. The quick ones run every chapter in
-# seconds on a CPU. The full ones take much longer than three minutes on an H200 where eager
-# PyTorch spends ~25 ms on a batch-1 decode step of the 135M model (launches, not arithmetic):
-# one such machine measured the smoke in 88 s and chapter 01 in 112 s, and chapter 02 was still
-# running after 170 s. The JSON records each chapter's seconds.
+# seconds on a CPU; the full ones take minutes a chapter on an H200 (the README says how long).
 @dataclass(frozen=True)
 class Sizes:
     """How much each chapter measures."""
@@ -265,10 +263,6 @@ class Chapter:
     # the record is saved, and the run counts the chapter as failed.
     failures: list[str] = field(default_factory=list)
 
-    @property
-    def number(self) -> int | None:
-        return chapter_number(self.stem)
-
 
 def chapter_number(key: str) -> int | None:
     """The book chapter a key or stem feeds: "01b" and "01b-sampler-cost" -> 1; None for the
@@ -429,7 +423,7 @@ def save(run: Run, chapter: Chapter, out_dir: Path, seconds: float) -> None:
         out_dir / f"{chapter.stem}.json",
         chapter.workload,
         chapter.results,
-        chapter=chapter.number,
+        chapter=chapter_number(chapter.stem),
         model=run.model_name,
         dtype=dtype_name(DTYPE),
         quick=run.quick,
@@ -493,6 +487,20 @@ def chat_requests(run: Run, messages: list[str]) -> list[dict]:
         {"prompt_token_ids": apply_chat_template(run.tokenizer, [{"role": "user", "content": m}])}
         for m in messages
     ]
+
+
+def chat_workload(name: str, prompts: list[dict], output: int, description: str) -> Workload:
+    """A workload of `chat_requests` prompts, each generating at most `output` tokens."""
+    ids = [prompt["prompt_token_ids"] for prompt in prompts]
+    return Workload(name, ids, [output] * len(ids), description)
+
+
+def free_memory() -> None:
+    """Collect what the last measurement dropped, and give its GPU memory back to the device:
+    the next engine then finds it free (and memory readings count it as free)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def tensor_parallel_sizes(config: ModelConfig, candidates) -> list[int]:

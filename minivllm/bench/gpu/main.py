@@ -5,7 +5,6 @@ command line of `python -m minivllm.bench.gpu` (and of scripts/gpu_bench.py, `ma
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from minivllm.bench.gpu.ch09_serving import measure_serving
 from minivllm.bench.gpu.ch10_structured_outputs import measure_structured_outputs
 from minivllm.bench.gpu.ch11_compiled_step import measure_compiled_step
 from minivllm.bench.gpu.ch12_quantization import measure_quantization
-from minivllm.bench.gpu.common import DTYPE, Run, chapter_number, device_slug, load_run, save
+from minivllm.bench.gpu.common import Run, chapter_number, device_slug, free_memory, load_run, save
 from minivllm.bench.gpu.smoke import measure_smoke
 from minivllm.bench.gpu_results import GPU_RESULTS_DIR
 from minivllm.bench.measure import stopwatch
@@ -78,9 +77,7 @@ def run_chapter(run: Run, number: str, out_dir: Path) -> bool:
         (out_dir / f"{number}.error.json").write_text(json.dumps(record, indent=2) + "\n")
         print(f"== chapter {number} FAILED: {record['error']}\n", file=sys.stderr)
         plt.close("all")
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory()
         return False
     print(f"== {chapter.stem}: {watch.seconds:.1f} s\n")
     for failure in chapter.failures:
@@ -134,7 +131,7 @@ def main(argv: list[str] | None = None) -> Path:
     # The tiny model's directory must outlive the run: every engine loads the model from it.
     with stopwatch() as watch, tempfile.TemporaryDirectory(prefix="minivllm-tiny-") as scratch:
         run = load_run(args.quick, device, Path(scratch))
-        print(f"{device_label()}, {run.model_name}, {DTYPE}; results in {out_dir}")
+        print(f"{device_label()}, {run.model_name}, {run.model.dtype}; results in {out_dir}")
         failed = [number for number in numbers if not run_chapter(run, number, out_dir)]
     print(f"{len(numbers)} chapters in {watch.seconds:.0f} s: {out_dir}")
     if failed:

@@ -17,7 +17,6 @@ branch checked, for those that ran}, "tracebacks" {name: the failing branch's tr
 from __future__ import annotations
 
 import copy
-import gc
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -35,8 +34,10 @@ from minivllm.bench.gpu.common import (
     Run,
     all_reduce_between_processes,
     chat_requests,
+    chat_workload,
     decode_attention_step,
     engine_tensor_parallel_size,
+    free_memory,
     generate_tokens,
     prefill_chunk,
 )
@@ -107,13 +108,11 @@ def measure_smoke(run: Run) -> Chapter:
         run, ["Write a haiku about a lighthouse.", "What is the capital of France?"]
     )
     output = run.sizes.smoke_output
-    workload = Workload(
-        "smoke",
-        [p["prompt_token_ids"] for p in prompts],
-        [output] * len(prompts),
+    description = (
         f"{len(prompts)} chat requests, {output} new tokens each, greedy; one decode step and "
-        "one prefill chunk of random attention inputs",
+        "one prefill chunk of random attention inputs"
     )
+    workload = chat_workload("smoke", prompts, output, description)
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
     smoke = Smoke(run, workload, prompts, params)
 
@@ -128,9 +127,7 @@ def measure_smoke(run: Run) -> Chapter:
             branches[name] = f"error: {type(error).__name__}: {error}"
             tracebacks[name] = traceback.format_exc()
         finally:
-            gc.collect()  # the branch's engines, before the next one measures GPU memory
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_memory()  # the branch's engines, before the next one measures GPU memory
         print(f"smoke: {name}: {branches[name]}")
     return Chapter(
         "smoke",
@@ -175,18 +172,15 @@ def triton_attention(smoke: Smoke) -> dict:
     triton = get_attention_backend("triton").for_device(run.device)
     # Two splits' worth of context at least, whatever the sizes: a shorter one is not split.
     context = max(max(run.sizes.kernel_contexts), 2 * triton_paged.MIN_TOKENS_PER_SPLIT)
-    decode_pool, decode = decode_step(run, context)
-    decode_diff, attention = against_torch(triton, decode_pool, decode)
+    decode_diff, attention = against_torch(triton, *decode_step(run, context))
     if attention.num_splits < 2:
         raise AssertionError(
             f"the decode step ran in {attention.num_splits} split: there was nothing to combine"
         )
-    prefill_pool, prefill = prefill_chunk(run)
-    prefill_diff, _ = against_torch(triton, prefill_pool, prefill)
+    prefill_diff, _ = against_torch(triton, *prefill_chunk(run))
+    splits = attention.num_splits
     return dict(
-        decode_max_abs_diff=decode_diff,
-        num_splits=attention.num_splits,
-        prefill_max_abs_diff=prefill_diff,
+        decode_max_abs_diff=decode_diff, num_splits=splits, prefill_max_abs_diff=prefill_diff
     )
 
 
@@ -242,16 +236,14 @@ def tensor_parallel_engine(smoke: Smoke) -> dict:
     tp, why = engine_tensor_parallel_size(run, torch.cuda.device_count())
     if tp is None:
         raise Skipped(why)
-    return dict(tensor_parallel_size=tp) | parallel_engine(smoke, tp, tensor_parallel_size=tp)
+    return parallel_engine(smoke, tensor_parallel_size=tp)
 
 
 def data_parallel_engine(smoke: Smoke) -> dict:
     """Two replicas of the engine, each in a process and on a GPU of its own (see
     `parallel_engine`)."""
     require_cuda(smoke.run, PARALLEL_SIZE)
-    return dict(data_parallel_size=PARALLEL_SIZE) | parallel_engine(
-        smoke, PARALLEL_SIZE, data_parallel_size=PARALLEL_SIZE
-    )
+    return parallel_engine(smoke, data_parallel_size=PARALLEL_SIZE)
 
 
 # Name -> the branch, in the order they run: the single-device ones first.
@@ -305,16 +297,17 @@ def copy_pool(pool: PagedKVCache) -> PagedKVCache:
     return copied
 
 
-def parallel_engine(smoke: Smoke, size: int, **parallel) -> dict:
-    """Start a parallel engine over `size` GPUs and generate. Its ranks must each sit on a GPU
-    of their own: each holds at least its share of the weights, so a GPU of cuda:0..size-1 that
-    lost less than half of that meanwhile holds none, and its rank sits on another one. Its
+def parallel_engine(smoke: Smoke, **parallel: int) -> dict:
+    """Start an engine with one `parallel` setting (data_parallel_size=2, say: as many GPUs)
+    and generate. Its ranks must each sit on a GPU of their own: each holds at least its share
+    of the weights, so a GPU of cuda:0..size-1 that lost less than half of that meanwhile holds
+    none, and its rank sits on another one. Its
     first tokens must be the eager engine's (a rank computing on the wrong GPU gives garbage);
     later ones may drift, as the sums are split and batched otherwise (the share that matches
-    is recorded). Returns gpu_bytes_taken per GPU and matching_token_share."""
+    is recorded). Returns the setting, gpu_bytes_taken per GPU and matching_token_share."""
+    (size,) = parallel.values()  # the one setting's value: the GPUs the engine spans
     eager = smoke.eager_tokens()  # made first: its engine's memory is not the parallel one's
-    gc.collect()
-    torch.cuda.empty_cache()  # memory this process freed counts as free again
+    free_memory()  # memory this process freed counts as free again
     free_before = [torch.cuda.mem_get_info(i)[0] for i in range(size)]
     with smoke.engine(**parallel) as llm:
         tokens = smoke.generate(llm)
@@ -328,4 +321,5 @@ def parallel_engine(smoke: Smoke, size: int, **parallel) -> dict:
         )
     if [t[0] for t in tokens] != [t[0] for t in eager]:
         raise AssertionError(f"the engine with {parallel} starts with other tokens than eager's")
-    return dict(gpu_bytes_taken=taken, matching_token_share=matching_token_share(tokens, eager))
+    share = matching_token_share(tokens, eager)
+    return parallel | dict(gpu_bytes_taken=taken, matching_token_share=share)
