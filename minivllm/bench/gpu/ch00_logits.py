@@ -61,16 +61,12 @@ def measure_logits(run: Run) -> Chapter:
     ax2.stairs(counts, edges, fill=True)
     xlabel = f"log10 {difference} per logit (−9: equal)"
     style(ax2, xlabel, "count of logits", f"all {counts.sum():,} logits", log_y=True, grid=None)
-    return Chapter(
-        "00-logits",
-        prompts,
-        fig,
-        measured=dict(
-            prompt_lengths=lengths,
-            max_abs_diff_per_prompt=max_per_prompt,
-            max_abs_diff=max(max_per_prompt),
-            same_argmax=same_argmax,
-            logit_range=[min(lows), max(highs)],
-            abs_diff_histogram=dict(log10_edges=edges.tolist(), counts=counts.tolist()),
-        ),
+    measured = dict(
+        prompt_lengths=lengths,
+        max_abs_diff_per_prompt=max_per_prompt,
+        max_abs_diff=max(max_per_prompt),
+        same_argmax=same_argmax,
+        logit_range=[min(lows), max(highs)],
+        abs_diff_histogram=dict(log10_edges=edges.tolist(), counts=counts.tolist()),
     )
+    return Chapter("00-logits", prompts, fig, measured=measured)

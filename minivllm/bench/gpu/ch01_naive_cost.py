@@ -47,10 +47,4 @@ def measure_naive_cost(run: Run) -> Chapter:
     title = "a forward pass over the whole sequence, per new token"
     style(ax1, "sequence length L (tokens)", "time of one no-cache step (ms)", title)
     plot_throughput(results, "whole requests", ax=ax2, baseline="naive")
-    return Chapter(
-        "01-cost-vs-length",
-        workload,
-        fig,
-        results,
-        dict(step_lengths=lengths) | steps,
-    )
+    return Chapter("01-cost-vs-length", workload, fig, results, dict(step_lengths=lengths) | steps)

@@ -67,6 +67,5 @@ def measure_sampler_cost(run: Run) -> Chapter:
         ax.bar(x + i * width, ms, width, label=f"{rows} rows")
     ax.set_xticks(x + width * (len(batches) - 1) / 2, list(SAMPLER_SETTINGS))
     style(ax, "", "milliseconds per sampler call", log_y=True, legend=10, grid="y")
-    return Chapter(
-        "01b-sampler-cost", workload, fig, [], dict(sampler_ms=rows_ms, vocab_size=vocab)
-    )
+    measured = dict(sampler_ms=rows_ms, vocab_size=vocab)
+    return Chapter("01b-sampler-cost", workload, fig, measured=measured)

@@ -75,19 +75,14 @@ def measure_kv_cache(run: Run) -> Chapter:
         dtype_name(d): run.model.config.kv_bytes_per_token(d)
         for d in (torch.float32, torch.bfloat16)
     }
-    return Chapter(
-        "02-kv-cache",
-        workload,
-        fig,
-        results,
-        dict(
-            decode_rows=rows,
-            decode_context=sizes.decode_context,
-            **quoted("decode_step_seconds", decode),
-            kv_bytes_per_token=per_token,
-            static_batch=static_batch,
-        ),
+    measured = dict(
+        decode_rows=rows,
+        decode_context=sizes.decode_context,
+        **quoted("decode_step_seconds", decode),
+        kv_bytes_per_token=per_token,
+        static_batch=static_batch,
     )
+    return Chapter("02-kv-cache", workload, fig, results, measured)
 
 
 def static_batch_memory(run: Run, ctx: BenchmarkContext) -> dict:

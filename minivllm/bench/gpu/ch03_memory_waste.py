@@ -91,22 +91,18 @@ def measure_memory_waste(run: Run) -> Chapter:
     sizes = f"{run.sizes.attention_seqs} seqs × {run.sizes.attention_seq_len} tokens, 1 layer"
     title = f"torch paged decode attention: {sizes}"
     style(ax3, "block size (tokens)", "time per call (ms)", title, block_sizes)
-    return Chapter(
-        "03-memory-waste",
-        workload,
-        fig,
-        measured=dict(
-            per_step=per_step,
-            token_share=token_share,
-            kv_bytes_per_token=per_token,
-            block_size=BLOCK_SIZE,
-            max_reservation=max_reservation,
-            attention_block_sizes=block_sizes,
-            **attention,
-            attention_seqs=run.sizes.attention_seqs,
-            attention_seq_len=run.sizes.attention_seq_len,
-        ),
+    measured = dict(
+        per_step=per_step,
+        token_share=token_share,
+        kv_bytes_per_token=per_token,
+        block_size=BLOCK_SIZE,
+        max_reservation=max_reservation,
+        attention_block_sizes=block_sizes,
+        **attention,
+        attention_seqs=run.sizes.attention_seqs,
+        attention_seq_len=run.sizes.attention_seq_len,
     )
+    return Chapter("03-memory-waste", workload, fig, measured=measured)
 
 
 def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[str, list[int]]:

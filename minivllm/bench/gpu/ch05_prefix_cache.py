@@ -58,17 +58,10 @@ def measure_prefix_cache(run: Run) -> Chapter:
         ax.set_ylim(0, max(values) * 1.2)
         ax.tick_params(axis="x", labelsize=8)
         style(ax, "", label, grid="y")
-    return Chapter(
-        "05-prefix-cache",
-        workload,
-        fig,
-        results,
-        dict(
-            prefix_cache_hit_rate=hit_rate,
-            ttft_ratio=off.median_ttft_s / on.median_ttft_s,
-            **quoted("throughput_ratio", throughput),
-            prompt_tokens_computed=dict(
-                off=off.prompt_tokens_computed, on=on.prompt_tokens_computed
-            ),
-        ),
+    measured = dict(
+        prefix_cache_hit_rate=hit_rate,
+        ttft_ratio=off.median_ttft_s / on.median_ttft_s,
+        **quoted("throughput_ratio", throughput),
+        prompt_tokens_computed=dict(off=off.prompt_tokens_computed, on=on.prompt_tokens_computed),
     )
+    return Chapter("05-prefix-cache", workload, fig, results, measured)

@@ -81,18 +81,13 @@ def measure_attention_kernels(run: Run) -> Chapter:
     style(left, "context per sequence (tokens)", ylabel, log2_ticks=contexts, log_y=True)
     left.legend(fontsize=7, ncol=len(backends))
     plot_throughput(results, "the engine on each backend", ax=right, baseline=methods[0])
-    return Chapter(
-        "06-attention-kernels",
-        workload,
-        fig,
-        results,
-        dict(
-            backends=backends,
-            decode_attention=decode_rows,
-            prefill_attention=dict(chunk=chunk, cached=chunk) | ms_of(prefill_timings, backends),
-            triton_decode_bandwidth=bandwidth,
-        ),
+    measured = dict(
+        backends=backends,
+        decode_attention=decode_rows,
+        prefill_attention=dict(chunk=chunk, cached=chunk) | ms_of(prefill_timings, backends),
+        triton_decode_bandwidth=bandwidth,
     )
+    return Chapter("06-attention-kernels", workload, fig, results, measured)
 
 
 def ms_of(timings: Timings, backends: list[str]) -> dict[str, dict]:

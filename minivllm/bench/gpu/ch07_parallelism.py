@@ -116,28 +116,23 @@ def measure_parallelism(run: Run) -> Chapter:
     tp_sizes = sorted({row["tp"] for row in projection} - {1})
 
     fig = plot_parallelism(run, workload, results, all_reduce, link, decode_steps, projection)
-    return Chapter(
-        "07-parallelism",
-        workload,
-        fig,
-        results,
-        dict(
-            num_gpus=num_gpus,
-            skipped=skipped,
-            tensor_parallel_size=tp,
-            tensor_parallel_skipped=tp_skipped,
-            notes=notes,
-            all_reduce_backend=all_reduce_backend,
-            all_reduce=all_reduce,
-            link=None if link is None else asdict(link),
-            machine=asdict(machine),
-            decode_steps=decode_steps,
-            projection_dtype=dtype_name(PROJECTION_DTYPE),
-            projection_context=sizes.parallel_context,
-            projection_links=[dict(tp=n, **asdict(nvlink(n))) for n in tp_sizes],
-            projection=projection,
-        ),
+    measured = dict(
+        num_gpus=num_gpus,
+        skipped=skipped,
+        tensor_parallel_size=tp,
+        tensor_parallel_skipped=tp_skipped,
+        notes=notes,
+        all_reduce_backend=all_reduce_backend,
+        all_reduce=all_reduce,
+        link=None if link is None else asdict(link),
+        machine=asdict(machine),
+        decode_steps=decode_steps,
+        projection_dtype=dtype_name(PROJECTION_DTYPE),
+        projection_context=sizes.parallel_context,
+        projection_links=[dict(tp=n, **asdict(nvlink(n))) for n in tp_sizes],
+        projection=projection,
     )
+    return Chapter("07-parallelism", workload, fig, results, measured)
 
 
 def compare_engines(run: Run, workload: Workload, methods: list[str]) -> list[MethodResult]:

@@ -139,19 +139,16 @@ def measure_speculative_decoding(run: Run) -> Chapter:
     )
     every_prompt = [prompt for prompts in workloads.values() for prompt in prompts]
     workload = chat_workload("copy-and-free-write", every_prompt, sizes.spec_output, description)
-    return Chapter(
-        "08-speculative-decoding",
-        workload,
-        plot_speculative_decoding(run, workload, batch1, batch_sweep),
-        measured=dict(
-            max_tokens=sizes.spec_output,
-            batch1=batch1,
-            acceptance_per_position=acceptance,
-            verification_steps=verification_steps,
-            batch_sweep=batch_sweep,
-            speculative_method=SWEEP_METHOD,
-        ),
+    measured = dict(
+        max_tokens=sizes.spec_output,
+        batch1=batch1,
+        acceptance_per_position=acceptance,
+        verification_steps=verification_steps,
+        batch_sweep=batch_sweep,
+        speculative_method=SWEEP_METHOD,
     )
+    fig = plot_speculative_decoding(run, workload, batch1, batch_sweep)
+    return Chapter("08-speculative-decoding", workload, fig, measured=measured)
 
 
 def speculative_engines(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from functools import partial
 
 from minivllm.bench.gpu.common import DTYPE, Chapter, Run, dtype_name
 from minivllm.bench.gpu_results import SERVING_LATENCIES, plot_latency_against_throughput
@@ -42,16 +43,12 @@ def measure_serving(run: Run) -> Chapter:
     workload, prompts_per_rate = fresh_prompts(run)
     args = server_args(run, prompts_per_rate)
     with ServerProcess(args, startup_timeout_s=SERVER_START_TIMEOUT_S) as server:
-        model = served_model(server.base_url)
+        at_rate = partial(run_at_rate, server.base_url, served_model(server.base_url))
         warm_up = [[1, 2, 3, 4]]  # the first request's one-time costs are no rate's
-        asyncio.run(run_at_rate(server.base_url, model, warm_up, math.inf, 2, 60.0))
+        asyncio.run(at_rate(warm_up, math.inf, 2, 60.0))
         rows = []
         for rate, prompts in zip(rates, prompts_per_rate):
-            result = asyncio.run(
-                run_at_rate(
-                    server.base_url, model, prompts, rate, sizes.serve_output, sizes.serve_seconds
-                )
-            )
+            result = asyncio.run(at_rate(prompts, rate, sizes.serve_output, sizes.serve_seconds))
             rows.append(result.as_dict())
             print(
                 f"rate {rate:g}/s: {result.num_completed}/{result.num_sent} completed, "
@@ -67,18 +64,14 @@ def measure_serving(run: Run) -> Chapter:
         # A log scale needs positive times: a rate at which nothing completed has none.
         if all(row[latency]["p50"] > 0 for row in rows):
             ax.set_yscale("log")
-    return Chapter(
-        "09-serving",
-        workload,
-        fig,
-        measured=dict(
-            rates=rows,
-            max_num_seqs=sizes.serve_seats,
-            max_seconds_per_rate=sizes.serve_seconds,
-            prefix_caching=False,
-            engine_core_process=engine_core_process(run),
-        ),
+    measured = dict(
+        rates=rows,
+        max_num_seqs=sizes.serve_seats,
+        max_seconds_per_rate=sizes.serve_seconds,
+        prefix_caching=False,
+        engine_core_process=engine_core_process(run),
     )
+    return Chapter("09-serving", workload, fig, measured=measured)
 
 
 def fresh_prompts(run: Run) -> tuple[Workload, list[list[list[int]]]]:

@@ -63,13 +63,8 @@ def measure_structured_outputs(run: Run) -> Chapter:
     ax.bar_label(bars, [f" {r['tokens_per_s']:.1f}" for r in rows])
     ax.set_xlabel("output tokens per second")
     ax.invert_yaxis()
-    return Chapter(
-        "10-structured-outputs",
-        workload,
-        fig,
-        [],
-        dict(rows=rows, **quoted("ratio", ratio), compile_seconds=compile_seconds),
-    )
+    measured = dict(rows=rows, **quoted("ratio", ratio), compile_seconds=compile_seconds)
+    return Chapter("10-structured-outputs", workload, fig, measured=measured)
 
 
 def free_and_constrained(

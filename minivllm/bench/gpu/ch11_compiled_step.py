@@ -42,10 +42,5 @@ def measure_compiled_step(run: Run) -> Chapter:
 
     what = "Eager against compiled (CUDA graphs on a GPU)"
     fig = stacked_throughput(run, what, [(batch1, single), (results, varied)], 7)
-    return Chapter(
-        "11-compiled-step",
-        varied,
-        fig,
-        results,
-        dict(batch1=as_dicts(batch1), speedups=medians, speedup_spreads=spreads),
-    )
+    measured = dict(batch1=as_dicts(batch1), speedups=medians, speedup_spreads=spreads)
+    return Chapter("11-compiled-step", varied, fig, results, measured)

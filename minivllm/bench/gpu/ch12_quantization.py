@@ -123,35 +123,30 @@ def measure_quantization(run: Run) -> Chapter:
     what = f"Weight-only quantization, batch 1 and {batch}"
     panels = [(results, single), (batched_results, batched)]
     fig = stacked_throughput(run, what, panels, 2.5 + 1.2 * len(methods), BASELINE)
-    return Chapter(
-        "12-quantization",
-        single,
-        fig,
-        results,
-        dict(
-            batched=dict(
-                batch_size=batch,
-                workload=dict(name=batched.name, description=batched.description),
-                results=as_dicts(batched_results),
-            ),
-            schemes=schemes,
-            gguf_skipped=gguf_skipped,
-            ratios=medians,
-            ratio_spreads=spreads,
-            memory_bandwidth=bandwidth,
-            weight_bytes={
-                scheme: dict(
-                    loaded=model_weight_bytes(model),
-                    model=weight_bytes(config, SCHEMES[scheme][2], SCHEMES[scheme][1]),
-                )
-                for scheme, model in models.items()
-            },
-            bounds=bounds,
-            kernels=kernels,
-            int4_kernel=int4_kernel,
-            int8_fused_max_rows=INT8_FUSED_MAX_ROWS,
+    measured = dict(
+        batched=dict(
+            batch_size=batch,
+            workload=dict(name=batched.name, description=batched.description),
+            results=as_dicts(batched_results),
         ),
+        schemes=schemes,
+        gguf_skipped=gguf_skipped,
+        ratios=medians,
+        ratio_spreads=spreads,
+        memory_bandwidth=bandwidth,
+        weight_bytes={
+            scheme: dict(
+                loaded=model_weight_bytes(model),
+                model=weight_bytes(config, SCHEMES[scheme][2], SCHEMES[scheme][1]),
+            )
+            for scheme, model in models.items()
+        },
+        bounds=bounds,
+        kernels=kernels,
+        int4_kernel=int4_kernel,
+        int8_fused_max_rows=INT8_FUSED_MAX_ROWS,
     )
+    return Chapter("12-quantization", single, fig, results, measured)
 
 
 def engine_model(ctx, method: str, dtype: torch.dtype) -> torch.nn.Module:

@@ -129,20 +129,12 @@ def measure_smoke(run: Run) -> Chapter:
         finally:
             free_memory()  # the branch's engines, before the next one measures GPU memory
         print(f"smoke: {name}: {branches[name]}")
-    return Chapter(
-        "smoke",
-        workload,
-        None,
-        measured=dict(
-            branches=branches,
-            details=details,
-            tracebacks=tracebacks,
-            num_gpus=torch.cuda.device_count(),
-        ),
-        failures=[
-            f"{name}: {status}" for name, status in branches.items() if status.startswith("error")
-        ],
-    )
+    num_gpus = torch.cuda.device_count()
+    measured = dict(branches=branches, details=details, tracebacks=tracebacks, num_gpus=num_gpus)
+    failed = [
+        f"{name}: {status}" for name, status in branches.items() if status.startswith("error")
+    ]
+    return Chapter("smoke", workload, None, measured=measured, failures=failed)
 
 
 # --- the branches ------------------------------------------------------------------------------
