@@ -1,7 +1,8 @@
 """Chapter 01b (notebooks/01b-decoding.ipynb) on a GPU: what decoding choices add to a step.
 
 The sampler alone on random logits over the model's vocabulary, per setting (greedy,
-temperature, top-k, top-p, min-p, penalties, a seed) and rows in the batch.
+temperature, top-k, top-p, min-p, penalties, a seed) and rows in the batch. The notebook prints
+the record; the figure draws it, a bar per setting and rows.
 """
 
 from __future__ import annotations
@@ -38,9 +39,8 @@ def sampling_rows(params: SamplingParams, rows: int) -> list[SamplingRow]:
 
 
 def measure_sampler_cost(run: Run) -> Chapter:
-    """JSON: results (empty); sampler_ms: [{"setting", "rows", "ms" (the median of `repeats`
-    rounds, the settings interleaved), "ms_spread" {median, low, high}}]; vocab_size.
-    """
+    """Milliseconds of a sampler call per setting and rows, the settings interleaved in
+    rounds."""
     vocab = run.model.config.vocab_size
     generator = torch.Generator(device=run.device).manual_seed(0)
     sampler = Sampler(default_generator=generator)
@@ -68,4 +68,4 @@ def measure_sampler_cost(run: Run) -> Chapter:
     ax.set_xticks(x + width * (len(batches) - 1) / 2, list(SAMPLER_SETTINGS))
     style(ax, "", "milliseconds per sampler call", log_y=True, legend=10, grid="y")
     measured = dict(sampler_ms=rows_ms, vocab_size=vocab)
-    return Chapter("01b-sampler-cost", workload, fig, measured=measured)
+    return Chapter("01b-sampler-cost", workload, measured=measured, figure=fig)

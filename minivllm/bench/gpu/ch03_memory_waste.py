@@ -3,7 +3,9 @@
 The engine (no prefix caching) runs the varied-output workload step by step; after each step
 we count the tokens its running requests hold, the slots of the blocks they hold, and what a
 contiguous cache would reserve for the same requests (of each one's exact final length, or of
-the longest sequence allowed). Then paged decode attention against the block size.
+the longest sequence allowed). Then paged decode attention against the block size. The notebook's
+section "On a GPU" draws the share of memory holding tokens and the attention's time; the figure
+here draws the memory step by step, which it does not.
 """
 
 from __future__ import annotations
@@ -11,21 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
 from minivllm.attention.torch_paged import TorchPagedAttention
 from minivllm.bench.benchmark import greedy_params
-from minivllm.bench.gpu.common import (
-    DTYPE,
-    Chapter,
-    MiB,
-    Run,
-    decode_attention_step,
-    plot_spreads,
-    quoted,
-    style,
-)
+from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run, decode_attention_step, quoted, style
 from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -37,14 +31,9 @@ BLOCK_SIZE = 16
 
 
 def measure_memory_waste(run: Run) -> Chapter:
-    """JSON: per_step {tokens_held, paged_slots, contiguous_final_slots (each request's final
-    length), contiguous_max_slots (max_reservation per request)}; token_share {scheme: tokens
-    held / slots reserved, summed over the steps}; kv_bytes_per_token; block_size;
-    max_reservation; attention_block_sizes, attention_seconds (one decode-attention call of
-    attention_seqs sequences of attention_seq_len tokens, one layer: the median of `repeats`
-    rounds, the block sizes interleaved), attention_seconds_spread (each one's {median, low,
-    high}), attention_seqs, attention_seq_len.
-    """
+    """JSON: per_step (`trace_kv_memory`); token_share {scheme: tokens held / slots reserved,
+    summed over the steps}; attention_seconds (`paged_attention_call` at each of
+    attention_block_sizes, the block sizes interleaved in rounds)."""
     workload = run.varied_workload()
     max_reservation = min(MAX_RESERVATION, run.model.config.max_model_len)
     per_step = trace_kv_memory(run, workload, max_reservation)
@@ -62,35 +51,6 @@ def measure_memory_waste(run: Run) -> Chapter:
         attention = quoted("attention_seconds", run.sweep(calls))
 
     per_token = run.model.config.kv_bytes_per_token(DTYPE)
-    what = "KV memory: contiguous vs paged"
-    fig, (ax1, ax2, ax3) = run.figure(what, workload, (17, 4.4), 1, 3)
-    steps = np.arange(1, len(per_step["tokens_held"]) + 1)
-    mib = {name: np.array(values) * per_token / MiB for name, values in per_step.items()}
-    ax1.fill_between(steps, mib["tokens_held"], step="post", alpha=0.5, label="holding tokens")
-    ax1.step(steps, mib["paged_slots"], where="post", label=f"paged, blocks of {BLOCK_SIZE}")
-    ax1.step(
-        steps, mib["contiguous_final_slots"], where="post", label="contiguous, exact final length"
-    )
-    title = "memory held by the running requests"
-    style(ax1, "engine step", "KV cache memory (MiB)", title, legend=8)
-    labels = {
-        "contiguous_max": f"contiguous,\nmax length {max_reservation}",
-        "contiguous_final": "contiguous,\nexact final length",
-        "paged": f"paged,\nblocks of {BLOCK_SIZE}",
-    }
-    bars = ax2.barh(
-        [labels[k] for k in labels],
-        [100 * token_share[k] for k in labels],
-        color=["tab:red", "tab:orange", "tab:blue"],
-    )
-    ax2.bar_label(bars, [f" {token_share[k]:.1%}" for k in labels])
-    ax2.set_xlim(0, 100)
-    style(ax2, "reserved KV memory holding tokens (%)", "", "over the whole run", grid=None)
-    plot_spreads(ax3, block_sizes, attention["attention_seconds_spread"], 1e3, color="tab:green")
-    ax3.set_ylim(bottom=0)
-    sizes = f"{run.sizes.attention_seqs} seqs × {run.sizes.attention_seq_len} tokens, 1 layer"
-    title = f"torch paged decode attention: {sizes}"
-    style(ax3, "block size (tokens)", "time per call (ms)", title, block_sizes)
     measured = dict(
         per_step=per_step,
         token_share=token_share,
@@ -102,7 +62,8 @@ def measure_memory_waste(run: Run) -> Chapter:
         attention_seqs=run.sizes.attention_seqs,
         attention_seq_len=run.sizes.attention_seq_len,
     )
-    return Chapter("03-memory-waste", workload, fig, measured=measured)
+    fig = plot_kv_memory(run, workload, per_step, per_token)
+    return Chapter("03-memory-waste", workload, measured=measured, figure=fig)
 
 
 def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[str, list[int]]:
@@ -135,6 +96,23 @@ def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[
         )
         per_step["contiguous_max_slots"].append(len(running) * max_reservation)
     return per_step
+
+
+def plot_kv_memory(
+    run: Run, workload: Workload, per_step: dict[str, list[int]], per_token: int
+) -> plt.Figure:
+    """The KV memory the running requests hold after each engine step: the tokens, their
+    paged blocks, and contiguous reservations of each request's exact final length."""
+    fig, ax = run.figure("KV memory: contiguous vs paged", workload, (9, 4.4))
+    steps = np.arange(1, len(per_step["tokens_held"]) + 1)
+    mib = {name: np.array(values) * per_token / MiB for name, values in per_step.items()}
+    ax.fill_between(steps, mib["tokens_held"], step="post", alpha=0.5, label="holding tokens")
+    ax.step(steps, mib["paged_slots"], where="post", label=f"paged, blocks of {BLOCK_SIZE}")
+    label = "contiguous, exact final length"
+    ax.step(steps, mib["contiguous_final_slots"], where="post", label=label)
+    title = "memory held by the running requests"
+    style(ax, "engine step", "KV cache memory (MiB)", title, legend=8)
+    return fig
 
 
 def paged_attention_call(run: Run, block_size: int) -> Callable[[], torch.Tensor]:

@@ -6,7 +6,8 @@ workload (greedy tokens compared), and NCCL all-reduces between 2 GPUs. With one
 runs. On a CPU (--quick) the same engines, their ranks and replicas processes sharing the cores,
 and gloo all-reduces between 2 processes. On every device: its decode step (this model in
 bfloat16), matmul peak and memory bandwidth, and `projected_step` of this model and of a
-Llama-3-8B shape at TP = 1..8 over a spec-sheet NVLink ring.
+Llama-3-8B shape at TP = 1..8 over a spec-sheet NVLink ring. The notebook prints the record;
+the figure draws it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import asdict
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.axes import Axes
 
 from minivllm.bench.benchmark import MethodResult, device_label, measure_matmul_peak
 from minivllm.bench.gpu.common import (
@@ -24,7 +26,6 @@ from minivllm.bench.gpu.common import (
     all_reduce_between_processes,
     dtype_name,
     engine_tensor_parallel_size,
-    plot_rows,
     plot_spreads,
     spread_record,
     style,
@@ -65,17 +66,12 @@ def nvlink(tp: int) -> Link:
 
 
 def measure_parallelism(run: Run) -> Chapter:
-    """JSON: results ("engine", "engine:dp=2", "engine:tp=N"; empty when no engine ran); num_gpus;
-    skipped (why no engine ran, else null); tensor_parallel_size (the engine's, else null) and
-    tensor_parallel_skipped (why none ran, else null); notes; all_reduce (rows {bytes, seconds}:
-    one float32 all-reduce between 2 ranks, the slower rank's median; empty on one GPU),
-    all_reduce_backend; link {name, latency_s, bandwidth (bytes/s)} fitted to those rows, or
-    null; machine {name, peak_flops, bandwidth}: this device in bfloat16, measured;
-    decode_steps (rows {batch, measured_s, measured_spread, projected_s}: one step of this
-    model with parallel_context cached tokens per row, and the projection at TP=1, the
-    roofline); projection_dtype, projection_context, projection_links (rows {tp, name,
-    latency_s, bandwidth}) and projection (rows {model, tp, batch, compute_s, communication_s,
-    seconds, speedup: over TP=1 at the same batch}).
+    """JSON: results ("engine", "engine:dp=2", "engine:tp=N"; empty when no engine ran); skipped
+    and tensor_parallel_skipped (why no engine, or no tensor-parallel one, ran; else null);
+    all_reduce (`measure_rank_all_reduce`: empty on one GPU) and the link fitted to it, or null;
+    machine (this device in bfloat16, measured); decode_steps (`measure_decode_steps`);
+    projection (`project_tensor_parallel`, of this model and of a Llama-3-8B shape) and the
+    NVLink rings it assumes, projection_links.
     """
     sizes = run.sizes
     num_gpus = torch.cuda.device_count()
@@ -132,7 +128,7 @@ def measure_parallelism(run: Run) -> Chapter:
         projection_links=[dict(tp=n, **asdict(nvlink(n))) for n in tp_sizes],
         projection=projection,
     )
-    return Chapter("07-parallelism", workload, fig, results, measured)
+    return Chapter("07-parallelism", workload, results, measured, figure=fig)
 
 
 def compare_engines(run: Run, workload: Workload, methods: list[str]) -> list[MethodResult]:
@@ -240,6 +236,13 @@ def plot_parallelism(
     if results:
         plot_throughput(results, "the engine, whole workload", ax=axes[3], baseline="engine")
     return fig
+
+
+def plot_rows(
+    ax: Axes, rows: list[dict], x: str, y: str, fmt: str = "o-", scale: float = 1.0, **look
+) -> None:
+    """Each row's `y` (times `scale`) against its `x`."""
+    ax.plot([row[x] for row in rows], [row[y] * scale for row in rows], fmt, **look)
 
 
 def plot_all_reduce(ax, all_reduce: list[dict], link: Link | None) -> None:

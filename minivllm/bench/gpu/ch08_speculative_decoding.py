@@ -5,6 +5,7 @@ greedy: copying and free-writing requests at batch 1 (speedup, equal tokens, acc
 draft position), then the copying requests at batch 1-64, plain against k = 3. A full run adds
 plain and k = 3 in bfloat16 at batch 1. The engines run without prefix caching: the copies of a
 paragraph in a batch would otherwise share their prompt, and what is measured here is decoding.
+The notebook prints the record; the figure draws the speedups.
 """
 
 from __future__ import annotations
@@ -68,15 +69,13 @@ BFLOAT16_METHODS = ("plain", SWEEP_METHOD)
 def measure_speculative_decoding(run: Run) -> Chapter:
     """Every comparison runs the engines interleaved in `engine_repeats` rounds.
 
-    JSON: results (empty); max_tokens; batch1 (rows {workload, method, tokens_per_s, speedup:
-    over plain on the same workload, same_tokens: as plain's, tokens_per_s_spread and
-    speedup_spread {median, low, high}}, "plain@bfloat16" and "ngram k=3@bfloat16" in a full
+    JSON: batch1 (rows {workload, method, tokens_per_s, speedup: over plain on the same
+    workload, same_tokens: as plain's}, "plain@bfloat16" and "ngram k=3@bfloat16" in a full
     run, compared with plain in bfloat16); acceptance_per_position {"method/workload": [share of
     verification steps that kept the draft at position 0, 1, ..]} from the engine's counters
     over one pass of the workload; verification_steps {"method/workload": steps of that pass
     that checked drafts (0 where the proposer found no match, as on the quick run's random
-    model)}; batch_sweep (rows {batch, plain_tokens_per_s, speculative_tokens_per_s, ratio,
-    ratio_spread}); speculative_method (the sweep's).
+    model)}; batch_sweep (plain against speculative_method at each batch).
     """
     sizes = run.sizes
     workloads = {
@@ -148,7 +147,7 @@ def measure_speculative_decoding(run: Run) -> Chapter:
         speculative_method=SWEEP_METHOD,
     )
     fig = plot_speculative_decoding(run, workload, batch1, batch_sweep)
-    return Chapter("08-speculative-decoding", workload, fig, measured=measured)
+    return Chapter("08-speculative-decoding", workload, measured=measured, figure=fig)
 
 
 def speculative_engines(

@@ -1,6 +1,7 @@
 """What every chapter's measurement shares: the sizes, the run (the model loaded once), the
-chapter's record and how it is saved, and the helpers two or more chapters use (a decode step
-over random K/V, chat requests, tensor-parallel sizes, all-reduces between processes).
+chapter's record and how it is saved, what the figures of the chapters that draw one share, and
+the helpers two or more chapters use (a decode step over random K/V, chat requests,
+tensor-parallel sizes, all-reduces between processes).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from minivllm.bench.benchmark import (
     workload_kv_cache_bytes,
     write_json,
 )
-from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.measure import Spread, Timings, interleaved, rate_spread, ratio_spread
 from minivllm.bench.workloads import Workload, varied_output_workload
 from minivllm.config import EngineConfig, ModelConfig
@@ -256,9 +256,11 @@ class Chapter:
 
     stem: str  # "04-throughput": the names of its JSON and its figure
     workload: Workload  # what it measured on (for chapter 00, the prompts it compared on)
-    figure: plt.Figure | None  # None: a record without a figure (the smoke)
     results: list[MethodResult] = field(default_factory=list)  # methods timed side by side
     measured: dict = field(default_factory=dict)  # the chapter's own numbers
+    # What the chapter's notebook does not draw of the record; None where it draws all of it
+    # (its section "On a GPU": the plotting lives there) and for the smoke.
+    figure: plt.Figure | None = None
     # What went wrong although the record could be written (the smoke's failing branches):
     # the record is saved, and the run counts the chapter as failed.
     failures: list[str] = field(default_factory=list)
@@ -313,28 +315,6 @@ def plot_spreads(ax: Axes, xs: list, records: list[dict], scale: float = 1.0, **
     records = [{name: value * scale for name, value in record.items()} for record in records]
     medians = [record["median"] for record in records]
     ax.errorbar(xs, medians, yerr=error_bars(records), fmt="o-", capsize=3, **look)
-
-
-def stacked_throughput(
-    run: Run,
-    what: str,
-    panels: list[tuple[list[MethodResult], Workload]],
-    height: float,
-    baseline: str | None = None,
-) -> plt.Figure:
-    """One panel of output tokens/s bars per (results, workload), stacked."""
-    fig, axes = run.figure(what, None, (10, height), len(panels), 1)
-    for ax, (results, workload) in zip(axes, panels):
-        title = f"{workload.name}: {workload.description}"
-        plot_throughput(results, title, ax=ax, baseline=baseline)
-    return fig
-
-
-def plot_rows(
-    ax: Axes, rows: list[dict], x: str, y: str, fmt: str = "o-", scale: float = 1.0, **look
-) -> None:
-    """Each row's `y` (times `scale`) against its `x`."""
-    ax.plot([row[x] for row in rows], [row[y] * scale for row in rows], fmt, **look)
 
 
 def error_bars(records: list[dict[str, float]]) -> list[list[float]]:
@@ -418,7 +398,8 @@ def rate_and_ratio(timings: Timings, method: str, baseline: str) -> tuple[Spread
 
 
 def save(run: Run, chapter: Chapter, out_dir: Path, seconds: float) -> None:
-    """NN-name.json (write_json's record and the chapter's numbers) and NN-name.png."""
+    """NN-name.json (write_json's record and the chapter's numbers), and NN-name.png where the
+    chapter draws a figure."""
     write_json(
         out_dir / f"{chapter.stem}.json",
         chapter.workload,

@@ -134,7 +134,7 @@ def measure_smoke(run: Run) -> Chapter:
     failed = [
         f"{name}: {status}" for name, status in branches.items() if status.startswith("error")
     ]
-    return Chapter("smoke", workload, None, measured=measured, failures=failed)
+    return Chapter("smoke", workload, measured=measured, failures=failed)
 
 
 # --- the branches ------------------------------------------------------------------------------
