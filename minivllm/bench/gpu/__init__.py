@@ -28,12 +28,13 @@ stopwatch.
 
 Each chapter writes OUT/<device>/NN-name.json (OUT is figures/gpu by default, <device> the GPU's
 name as a slug: figures/gpu/nvidia-h200/04-throughput.json); the smoke writes smoke.json. The
-plotting lives in the notebooks: each one's section "On a GPU" draws its chapter's record, and
-a chapter writes a figure, NN-name.png, only of what its notebook does not draw (chapters 01b,
-02, 03 and 06-11; 00, 01, 04, 05 and 12 write none). The JSON is `write_json`'s record, as `minivllm bench` writes it (workload,
-device, results: a `MethodResult` per method `run_benchmark` timed), then "chapter" (null for
-the smoke), "model", "dtype", "quick", "seconds" (the chapter's wall time) and the chapter's own
-numbers; the notebooks read it back through minivllm.bench.gpu_results, quick runs left out.
+JSON is `write_json`'s record, as `minivllm bench` writes it (workload, device, results: a
+`MethodResult` per method `run_benchmark` timed), then "chapter" (null for the smoke), "model",
+"dtype", "quick", "seconds" (the chapter's wall time) and the chapter's own numbers; the
+notebooks read it back through minivllm.bench.gpu_results, quick runs left out. The plotting
+lives in the notebooks: each one's section "On a GPU" draws its chapter's record, and a chapter
+writes a figure, NN-name.png, only of what its notebook does not draw (chapters 01b, 02, 03 and
+06-11; 00, 01, 04, 05 and 12 write none).
 Each chapter runs in isolation: one that raises writes NN.error.json (its error and traceback)
 instead, a failing smoke branch fails the smoke alone, and the others still run; the run then
 exits with status 1 naming the chapters that failed.
