@@ -63,8 +63,9 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(PY) -m minivllm bench --num-requests 64 --baseline hf \
 		--methods engine-no-prefix-cache,engine,engine-no-prefix-cache@bfloat16,static:64,hf-static:64,hf-static:16,hf-cb:512,hf
 
-# Every chapter's measurement on one CUDA GPU (a few minutes), the CUDA smoke first:
-# figures/gpu/<device>/NN-*.json, .png and smoke.json (minivllm/bench/gpu/, a module a chapter)
+# Every chapter's measurement on one CUDA GPU, the CUDA smoke first: figures/gpu/<device>/
+# NN-*.json (the notebooks draw them), smoke.json, and NN-*.png of what no notebook draws
+# (minivllm/bench/gpu/, a module a chapter)
 gpu-bench: setup
 	HF_HUB_OFFLINE=1 $(PY) -m minivllm.bench.gpu
 

@@ -90,6 +90,16 @@ def ratio_within_rounds(numerators: Sequence[float], denominators: Sequence[floa
     return Spread(tuple(a / b for a, b in pairs))
 
 
+def rate_spread(amount: float, seconds: Spread) -> Spread:
+    """`amount` (tokens, say) per second, round by round."""
+    return Spread(tuple(amount / s for s in seconds.values))
+
+
+def ratio_spread(numerators: Spread, denominators: Spread) -> Spread:
+    """`ratio_within_rounds` of two spreads measured in the same rounds."""
+    return ratio_within_rounds(numerators.values, denominators.values)
+
+
 def interleaved(
     runs: Mapping[str, Callable[[], Result]],
     repeats: int = 5,

@@ -1,4 +1,4 @@
-"""The book's measurements on one CUDA GPU: every chapter's, in one run of a few minutes.
+"""The book's measurements on one CUDA GPU: every chapter's, in one run.
 
     make gpu-bench                           # HF_HUB_OFFLINE=1 python -m minivllm.bench.gpu
     python -m minivllm.bench.gpu --out DIR   # write somewhere else than figures/gpu/
@@ -15,31 +15,29 @@ from the rest of minivllm (`run_benchmark`, the shared workloads, the chapters' 
 in minivllm imports it. One module per chapter, chNN_name.py, run in the order of
 main.CHAPTERS after smoke.py (the CUDA smoke: every CUDA-specific branch once, each "ok",
 "skipped: <why>" or "error: <message>"); each says in its docstring what it measures and which
-notebook it feeds, and in its `measure_*` function's the fields of its JSON.
-
-common.py holds what they share (the sizes, the run, its timing in interleaved rounds through
-bench/measure.py, a chapter's record and how it is saved, the helpers of two or more chapters),
-main.py the run and the command line.
+notebook it feeds, and in its `measure_*` function's the fields of its JSON. common.py holds what
+they share (the sizes, the run, its timing, a chapter's record and figure and how they are
+saved, the helpers of two or more chapters), main.py the run and the command line.
 
 Every timing goes through bench/measure.py: what is compared or repeated runs interleaved in
 rounds after an untimed one (`Run.rounds`; engines on whole workloads in `engine_repeats`
 rounds, `run_benchmark`'s or `Run.engine_rounds`), a record quotes the median and keeps the
-rounds' {median, low, high} beside it (a key ending in "_spread"), and a ratio is taken within
-each round; what happens once (a first compile, a chapter's duration) by its stopwatch.
+rounds' {median, low, high} beside it (`common.quoted`: a key ending in "_spread"), and a ratio
+is taken within each round; what happens once (a first compile, a chapter's duration) by its
+stopwatch.
 
-Each chapter writes two files under OUT/<device>/ (OUT is figures/gpu by default, <device> the
-GPU's name as a slug): NN-name.json and NN-name.png, e.g. figures/gpu/nvidia-h200/04-throughput;
-the smoke writes smoke.json alone. Each chapter runs in isolation: one that raises writes
-NN.error.json (its error and traceback) instead of its files, and the others still run; a smoke
-branch that fails is recorded in smoke.json and the smoke counts as failed; the run then exits
-with status 1 naming the chapters that failed. The JSON is `write_json`'s record, the same as
-`minivllm bench` writes: "workload" (name, description), "device", "results" (one entry per
-method `run_benchmark` timed: every `MethodResult` field and output_tokens_per_s; empty where a
-chapter times no such methods), and then "chapter" (null for the smoke), "model", "dtype",
-"quick", "seconds" (wall time of the chapter) and the chapter's own measurements. Each
-notebook's GPU section globs figures/gpu/*/NN-*.json (minivllm.bench.gpu_results), skips files
-whose "quick" is true, and plots what it finds next to its own CPU numbers; without such a file
-the section says so and moves on.
+Each chapter writes OUT/<device>/NN-name.json (OUT is figures/gpu by default, <device> the GPU's
+name as a slug: figures/gpu/nvidia-h200/04-throughput.json); the smoke writes smoke.json. The
+JSON is `write_json`'s record, as `minivllm bench` writes it (workload, device, results: a
+`MethodResult` per method `run_benchmark` timed), then "chapter" (null for the smoke), "model",
+"dtype", "quick", "seconds" (the chapter's wall time) and the chapter's own numbers; the
+notebooks read it back through minivllm.bench.gpu_results, quick runs left out. The plotting
+lives in the notebooks: each one's section "On a GPU" draws its chapter's record, and a chapter
+writes a figure, NN-name.png, only of what its notebook does not draw (chapters 01b, 02, 03 and
+06-11; 00, 01, 04, 05 and 12 write none).
+Each chapter runs in isolation: one that raises writes NN.error.json (its error and traceback)
+instead, a failing smoke branch fails the smoke alone, and the others still run; the run then
+exits with status 1 naming the chapters that failed.
 
 On a CPU the full sizes would take hours, and the notebooks' full mode already measures a CPU,
 so without --quick the run refuses to start there. --quick runs every chapter at tiny sizes on

@@ -2,7 +2,8 @@
 
 Chat prompts of 20-1000 tokens go through our model and through transformers' in float32; the
 record holds the largest difference per prompt and a histogram of every logit's difference,
-and whether the argmax agrees at every position (the greedy token would).
+and whether the argmax agrees at every position (the greedy token would). The notebook's
+section "On a GPU" draws both, next to its own prompts: no figure here.
 """
 
 from __future__ import annotations
@@ -13,18 +14,14 @@ import numpy as np
 import torch
 
 from minivllm.baselines.naive import CausalAttention
-from minivllm.bench.gpu.common import Chapter, Run, style
+from minivllm.bench.gpu.common import Chapter, Run
 from minivllm.bench.workloads import throughput_workload
 
 
 @torch.inference_mode()
 def measure_logits(run: Run) -> Chapter:
-    """Our logits against transformers' at every position of each prompt, float32.
-
-    JSON: prompt_lengths, max_abs_diff_per_prompt, max_abs_diff, same_argmax (the same argmax
-    at every position of every prompt), logit_range (transformers', [min, max]), and
-    abs_diff_histogram {log10_edges, counts} over every logit (|diff| below 1e-9 counts as 1e-9).
-    """
+    """Each prompt through both models, compared logit by logit (logit_range: transformers'
+    logits, [min, max])."""
     low, high = run.sizes.logit_prompt_lengths
     chat = throughput_workload(run.tokenizer, run.sizes.logit_prompts, (low, high), 1)
     prompts = replace(
@@ -35,7 +32,7 @@ def measure_logits(run: Run) -> Chapter:
     hf_model = run.context().hf_model
     edges = np.linspace(-9, 1, 41)  # log10 |diff|, 4 bins per decade
     counts = np.zeros(len(edges) - 1, dtype=np.int64)
-    max_per_prompt, same_argmax, logit_range = [], True, [float("inf"), float("-inf")]
+    max_per_prompt, same_argmax, lows, highs = [], True, [], []
     for prompt in prompts.prompts:
         ids = torch.tensor(prompt, device=run.device)
         positions = torch.arange(len(prompt), device=run.device)
@@ -49,32 +46,16 @@ def measure_logits(run: Run) -> Chapter:
         log10_diff = diff.clamp(1e-9, 10.0).log10()
         counts += torch.histc(log10_diff, len(counts), edges[0], edges[-1]).long().cpu().numpy()
         same_argmax &= torch.equal(ours.argmax(-1), theirs.argmax(-1))
-        logit_range = [
-            min(logit_range[0], theirs.min().item()),
-            max(logit_range[1], theirs.max().item()),
-        ]
+        lows.append(theirs.min().item())
+        highs.append(theirs.max().item())
     lengths = [len(p) for p in prompts.prompts]
     print(f"max |ours - transformers| = {max(max_per_prompt):.2e}; same argmax: {same_argmax}")
-
-    what = "Logits: minivllm vs transformers"
-    fig, (ax1, ax2) = run.figure(what, prompts, (12, 4.2), 1, 2)
-    ax1.plot(lengths, np.maximum(max_per_prompt, 1e-9), "o")  # 1e-9: equal
-    difference = "|ours − transformers|"
-    ylabel = f"max {difference} over the prompt's logits"
-    style(ax1, "prompt length (tokens)", ylabel, "largest difference per prompt", log_y=True)
-    ax2.stairs(counts, edges, fill=True)
-    xlabel = f"log10 {difference} per logit (−9: equal)"
-    style(ax2, xlabel, "count of logits", f"all {counts.sum():,} logits", log_y=True, grid=None)
-    return Chapter(
-        "00-logits",
-        prompts,
-        fig,
-        measured=dict(
-            prompt_lengths=lengths,
-            max_abs_diff_per_prompt=max_per_prompt,
-            max_abs_diff=max(max_per_prompt),
-            same_argmax=same_argmax,
-            logit_range=logit_range,
-            abs_diff_histogram=dict(log10_edges=edges.tolist(), counts=counts.tolist()),
-        ),
+    measured = dict(
+        prompt_lengths=lengths,
+        max_abs_diff_per_prompt=max_per_prompt,
+        max_abs_diff=max(max_per_prompt),
+        same_argmax=same_argmax,
+        logit_range=[min(lows), max(highs)],
+        abs_diff_histogram=dict(log10_edges=edges.tolist(), counts=counts.tolist()),
     )
+    return Chapter("00-logits", prompts, measured=measured)

@@ -3,7 +3,8 @@ a KV cache.
 
 One no-cache step (a forward pass over the whole sequence, for one new token) against the
 sequence length, then the no-cache loop against transformers' `generate` (which keeps a KV
-cache) on whole requests.
+cache) on whole requests. The notebook's section "On a GPU" draws both (the step's time against
+the length, `generate`'s speedup over the loop): no figure here.
 """
 
 from __future__ import annotations
@@ -14,19 +15,13 @@ from random import Random
 import torch
 
 from minivllm.baselines.naive import CausalAttention
-from minivllm.bench.gpu.common import Chapter, Run, plot_spreads, spread_record, style
-from minivllm.bench.gpu_results import plot_throughput
+from minivllm.bench.gpu.common import Chapter, Run, quoted
 from minivllm.bench.workloads import chat_prompt_of_length, throughput_workload
 
 
 def measure_naive_cost(run: Run) -> Chapter:
-    """One no-cache step against the sequence length, then the no-cache loop against
-    transformers' `generate` (which keeps a KV cache) on whole requests.
-
-    JSON: step_lengths (tokens), step_seconds (one forward pass over that many tokens, logits of
-    the last one: the median of `repeats` rounds, the lengths interleaved), step_seconds_spread
-    (each length's {median, low, high}), and results: "hf", then "naive".
-    """
+    """JSON: step_seconds (one forward pass over step_lengths tokens, logits of the last one,
+    the lengths interleaved in rounds) and results: "hf", then "naive"."""
     lengths = list(run.sizes.step_lengths)
     long_prompt = chat_prompt_of_length(run.tokenizer, max(lengths), Random(0))
 
@@ -37,27 +32,9 @@ def measure_naive_cost(run: Run) -> Chapter:
         hidden = run.model(ids, positions, CausalAttention([0, length]))
         return run.model.compute_logits(hidden[-1:])
 
-    steps = run.sweep({n: partial(one_step, n) for n in lengths})
+    steps = quoted("step_seconds", run.sweep({n: partial(one_step, n) for n in lengths}))
     workload = throughput_workload(
         run.tokenizer, run.sizes.naive_requests, (20, 300), run.sizes.naive_output
     )
     results = run.benchmark(run.context(), workload, ["hf", "naive"])
-
-    what = "Cost of generation without a KV cache"
-    fig, (ax1, ax2) = run.figure(what, workload, (12, 4.2), 1, 2)
-    plot_spreads(ax1, lengths, steps, 1e3)
-    ax1.set_ylim(bottom=0)
-    title = "a forward pass over the whole sequence, per new token"
-    style(ax1, "sequence length L (tokens)", "time of one no-cache step (ms)", title)
-    plot_throughput(results, "whole requests", ax=ax2, baseline="naive")
-    return Chapter(
-        "01-cost-vs-length",
-        workload,
-        fig,
-        results,
-        dict(
-            step_lengths=lengths,
-            step_seconds=[step.median for step in steps],
-            step_seconds_spread=[spread_record(step) for step in steps],
-        ),
-    )
+    return Chapter("01-cost-vs-length", workload, results, dict(step_lengths=lengths) | steps)

@@ -1,16 +1,18 @@
 """Chapter 01b (notebooks/01b-decoding.ipynb) on a GPU: what decoding choices add to a step.
 
 The sampler alone on random logits over the model's vocabulary, per setting (greedy,
-temperature, top-k, top-p, min-p, penalties, a seed) and rows in the batch.
+temperature, top-k, top-p, min-p, penalties, a seed) and rows in the batch. The notebook prints
+the record; the figure draws it, a bar per setting and rows.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import numpy as np
 import torch
 
-from minivllm.bench.gpu.common import Chapter, Run, spread_record, style
+from minivllm.bench.gpu.common import Chapter, Run, quoted, style
 from minivllm.bench.workloads import Workload
 from minivllm.sample.sampler import Sampler, SamplingRow, make_generator
 from minivllm.sample.sampling_params import SamplingParams
@@ -37,12 +39,8 @@ def sampling_rows(params: SamplingParams, rows: int) -> list[SamplingRow]:
 
 
 def measure_sampler_cost(run: Run) -> Chapter:
-    """The sampler alone on random float32 logits over the model's vocabulary: milliseconds per
-    call for each decoding setting and number of rows, each row with 64 tokens of history.
-
-    JSON: results (empty); sampler_ms: [{"setting", "rows", "ms" (the median of `repeats`
-    rounds, the settings interleaved), "ms_spread" {median, low, high}}]; vocab_size.
-    """
+    """Milliseconds of a sampler call per setting and rows, the settings interleaved in
+    rounds."""
     vocab = run.model.config.vocab_size
     generator = torch.Generator(device=run.device).manual_seed(0)
     sampler = Sampler(default_generator=generator)
@@ -54,8 +52,7 @@ def measure_sampler_cost(run: Run) -> Chapter:
             for setting, params in SAMPLER_SETTINGS.items()
         }
         for setting, seconds in zip(calls, run.sweep(calls)):
-            ms = dict(ms=seconds.median * 1e3, ms_spread=spread_record(seconds, 1e3))
-            rows_ms.append(dict(setting=setting, rows=rows) | ms)
+            rows_ms.append(dict(setting=setting, rows=rows) | quoted("ms", seconds, 1e3))
     print("\n".join(f"{r['setting']:>16}, {r['rows']:>4} rows: {r['ms']:.3f} ms" for r in rows_ms))
 
     workload = Workload(
@@ -63,19 +60,12 @@ def measure_sampler_cost(run: Run) -> Chapter:
     )
     what = "The sampler's cost per step, by decoding setting"
     fig, ax = run.figure(what, workload, (10, 4))
-    settings = list(SAMPLER_SETTINGS)
-    width = 0.8 / len(run.sizes.sampler_batches)
-    for i, rows in enumerate(run.sizes.sampler_batches):
-        ms = [
-            next(r["ms"] for r in rows_ms if r["setting"] == s and r["rows"] == rows)
-            for s in settings
-        ]
-        ax.bar([x + i * width for x in range(len(settings))], ms, width, label=f"{rows} rows")
-    ax.set_xticks(
-        [x + width * (len(run.sizes.sampler_batches) - 1) / 2 for x in range(len(settings))],
-        settings,
-    )
+    batches, x = run.sizes.sampler_batches, np.arange(len(SAMPLER_SETTINGS))
+    width = 0.8 / len(batches)
+    for i, rows in enumerate(batches):
+        ms = [r["ms"] for r in rows_ms if r["rows"] == rows]  # in the settings' order
+        ax.bar(x + i * width, ms, width, label=f"{rows} rows")
+    ax.set_xticks(x + width * (len(batches) - 1) / 2, list(SAMPLER_SETTINGS))
     style(ax, "", "milliseconds per sampler call", log_y=True, legend=10, grid="y")
-    return Chapter(
-        "01b-sampler-cost", workload, fig, [], dict(sampler_ms=rows_ms, vocab_size=vocab)
-    )
+    measured = dict(sampler_ms=rows_ms, vocab_size=vocab)
+    return Chapter("01b-sampler-cost", workload, measured=measured, figure=fig)

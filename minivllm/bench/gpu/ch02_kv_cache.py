@@ -2,11 +2,14 @@
 
 Every method of chapters 01-02 side by side on whole requests (speedup over the no-cache
 loop), static batching in bfloat16 beside float32; one decode step against the rows in the
-batch; the memory a static batch reserves against what its requests need.
+batch; the memory a static batch reserves against what its requests need. The notebook's
+section "On a GPU" draws the methods and the decode step; the figure here draws the static
+batch's memory, which it does not.
 """
 
 from __future__ import annotations
 
+import matplotlib.pyplot as plt
 import torch
 
 from minivllm.baselines.kv_cache import generate_static_batch
@@ -17,29 +20,17 @@ from minivllm.bench.gpu.common import (
     MiB,
     Run,
     dtype_name,
-    plot_spreads,
-    rate_spread,
-    spread_record,
-    style,
+    quoted,
     time_decode_steps,
 )
-from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.workloads import throughput_workload
 from minivllm.sample.sampler import Sampler
 
 
 def measure_kv_cache(run: Run) -> Chapter:
-    """Chapters 01-02's methods side by side; one decode step against the batch's rows; the KV
-    memory of one static batch of varied-length requests.
-
-    JSON: results ("hf", "naive", "kv-cache", "static", "static@bfloat16" and "hf-static", one
-    static batch of all requests; the bfloat16 row is for speed, its tokens may differ);
-    decode_rows, decode_step_seconds (one decode step with decode_context cached tokens per row:
-    the median of `repeats` rounds, the row counts interleaved), decode_step_seconds_spread
-    (each one's {median, low, high}); kv_bytes_per_token {dtype: bytes}; static_batch
-    {workload, reserved_kv_bytes (rows x longest prompt + longest output), needed_kv_bytes (each
-    request's final length), decode_steps, computed_rows, useful_rows}.
-    """
+    """JSON: results (each method on one static batch of all requests; the bfloat16 row is for
+    speed, its tokens may differ); decode_step_seconds (one decode step of each of decode_rows,
+    the row counts interleaved in rounds); static_batch (`static_batch_memory`)."""
     sizes = run.sizes
     workload = throughput_workload(
         run.tokenizer, sizes.speedup_requests, (20, 300), sizes.speedup_output
@@ -49,53 +40,25 @@ def measure_kv_cache(run: Run) -> Chapter:
     results = run.benchmark(ctx, workload, methods)
     decode = time_decode_steps(run, sizes.decode_rows, sizes.decode_context)
     static_batch = static_batch_memory(run, ctx)
-
-    what = "The KV cache and static batching"
-    fig, (ax1, ax2, ax3) = run.figure(what, workload, (17, 4.4), 1, 3)
-    plot_throughput(results, "whole requests, one static batch", ax=ax1, baseline="naive")
-    rows = list(sizes.decode_rows)
-    # Tokens per second, round by round: a row makes one token a step.
-    rates = [rate_spread(r, step) for r, step in zip(rows, decode)]
-    plot_spreads(ax2, rows, rates, color="tab:green")
-    ax2.set_ylim(bottom=0)
-    title = f"one decode step, {sizes.decode_context} cached tokens per row"
-    style(ax2, "rows in the decode batch", "generated tokens per second", title, rows)
-    reserved, needed = static_batch["reserved_kv_bytes"], static_batch["needed_kv_bytes"]
-    ax3.bar(
-        ["reserved\n(rows × longest)", "needed\n(each request's length)"],
-        [reserved / MiB, needed / MiB],
-        color=["tab:red", "tab:blue"],
-    )
-    ax3.set_ylabel("KV cache memory (MiB)")
-    useful = static_batch["useful_rows"] / static_batch["computed_rows"]
-    ax3.set_title(
-        f"one static batch of {static_batch['workload']}\n{needed / reserved:.0%} of the reserved"
-        f" memory needed, {useful:.0%} of the decode rows useful",
-        fontsize=9,
-    )
     per_token = {
         dtype_name(d): run.model.config.kv_bytes_per_token(d)
         for d in (torch.float32, torch.bfloat16)
     }
-    return Chapter(
-        "02-kv-cache",
-        workload,
-        fig,
-        results,
-        dict(
-            decode_rows=rows,
-            decode_context=sizes.decode_context,
-            decode_step_seconds=[step.median for step in decode],
-            decode_step_seconds_spread=[spread_record(step) for step in decode],
-            kv_bytes_per_token=per_token,
-            static_batch=static_batch,
-        ),
+    measured = dict(
+        decode_rows=list(sizes.decode_rows),
+        decode_context=sizes.decode_context,
+        **quoted("decode_step_seconds", decode),
+        kv_bytes_per_token=per_token,
+        static_batch=static_batch,
     )
+    fig = plot_static_batch(run, static_batch)
+    return Chapter("02-kv-cache", workload, results, measured, figure=fig)
 
 
 def static_batch_memory(run: Run, ctx: BenchmarkContext) -> dict:
     """Run the varied-output workload as one static batch and compare the KV memory it reserves
-    with what its requests need at their final length."""
+    (every row as long as the longest prompt and output) with what its requests need at their
+    final length; the decode rows it computed, and how many of them a request still needed."""
     workload = run.varied_workload()
     stats = generate_static_batch(run.model, greedy_requests(ctx, workload), Sampler())
     final_lengths = [len(p) + n for p, n in zip(workload.prompts, workload.output_lengths)]
@@ -107,3 +70,23 @@ def static_batch_memory(run: Run, ctx: BenchmarkContext) -> dict:
         computed_rows=stats.computed_rows,
         useful_rows=stats.useful_rows,
     )
+
+
+def plot_static_batch(run: Run, static_batch: dict) -> plt.Figure:
+    """The KV memory a static batch reserves against what its requests need."""
+    what = "The KV memory of one static batch"
+    fig, ax = run.figure(what, None, (7, 4.4))
+    reserved, needed = static_batch["reserved_kv_bytes"], static_batch["needed_kv_bytes"]
+    ax.bar(
+        ["reserved\n(rows × longest)", "needed\n(each request's length)"],
+        [reserved / MiB, needed / MiB],
+        color=["tab:red", "tab:blue"],
+    )
+    ax.set_ylabel("KV cache memory (MiB)")
+    useful = static_batch["useful_rows"] / static_batch["computed_rows"]
+    ax.set_title(
+        f"one static batch of {static_batch['workload']}\n{needed / reserved:.0%} of the reserved"
+        f" memory needed, {useful:.0%} of the decode rows useful",
+        fontsize=9,
+    )
+    return fig

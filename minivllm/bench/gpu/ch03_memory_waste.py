@@ -1,8 +1,11 @@
 """Chapter 03 (notebooks/03-paged-kv-blocks.ipynb) on a GPU: the KV memory paged blocks save.
 
-The engine run step by step: KV memory holding tokens, in paged blocks against a contiguous
-reservation per request (of its exact final length, or of the longest sequence allowed); then
-paged decode attention against the block size.
+The engine (no prefix caching) runs the varied-output workload step by step; after each step
+we count the tokens its running requests hold, the slots of the blocks they hold, and what a
+contiguous cache would reserve for the same requests (of each one's exact final length, or of
+the longest sequence allowed). Then paged decode attention against the block size. The notebook's
+section "On a GPU" draws the share of memory holding tokens and the attention's time; the figure
+here draws the memory step by step, which it does not.
 """
 
 from __future__ import annotations
@@ -10,13 +13,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from functools import partial
 
+import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
 from minivllm.attention.torch_paged import TorchPagedAttention
-from minivllm.bench.attention import one_layer_pool, random_decode_step
 from minivllm.bench.benchmark import greedy_params
-from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run, plot_spreads, spread_record, style
+from minivllm.bench.gpu.common import DTYPE, Chapter, MiB, Run, decode_attention_step, quoted, style
 from minivllm.bench.workloads import Workload
 from minivllm.config import EngineConfig
 from minivllm.engine.llm_engine import LLMEngine
@@ -28,20 +31,9 @@ BLOCK_SIZE = 16
 
 
 def measure_memory_waste(run: Run) -> Chapter:
-    """The engine (no prefix caching) runs the varied-output workload step by step; after each
-    step we count the tokens its running requests hold, the slots of the blocks they hold, and
-    what a contiguous cache would reserve for the same requests. Then paged decode attention
-    against the block size.
-
-    JSON: per_step {tokens_held, paged_slots, contiguous_final_slots (each request's final
-    length), contiguous_max_slots (max_reservation per request)}; token_share {scheme: tokens
-    held / slots reserved, summed over the steps}; kv_bytes_per_token; block_size;
-    max_reservation;
-    attention_block_sizes, attention_seconds (one decode-attention call of attention_seqs
-    sequences of attention_seq_len tokens, one layer: the median of `repeats` rounds, the block
-    sizes interleaved), attention_seconds_spread (each one's {median, low, high}),
-    attention_seqs, attention_seq_len.
-    """
+    """JSON: per_step (`trace_kv_memory`); token_share {scheme: tokens held / slots reserved,
+    summed over the steps}; attention_seconds (`paged_attention_call` at each of
+    attention_block_sizes, the block sizes interleaved in rounds)."""
     workload = run.varied_workload()
     max_reservation = min(MAX_RESERVATION, run.model.config.max_model_len)
     per_step = trace_kv_memory(run, workload, max_reservation)
@@ -55,55 +47,23 @@ def measure_memory_waste(run: Run) -> Chapter:
     )
     block_sizes = list(run.sizes.block_sizes)
     with torch.inference_mode():  # as in the engine: no autograd records, K/V written in place
-        attention = run.sweep({size: paged_attention_call(run, size) for size in block_sizes})
+        calls = {size: paged_attention_call(run, size) for size in block_sizes}
+        attention = quoted("attention_seconds", run.sweep(calls))
 
     per_token = run.model.config.kv_bytes_per_token(DTYPE)
-    what = "KV memory: contiguous vs paged"
-    fig, (ax1, ax2, ax3) = run.figure(what, workload, (17, 4.4), 1, 3)
-    steps = np.arange(1, len(per_step["tokens_held"]) + 1)
-    mib = {name: np.array(values) * per_token / MiB for name, values in per_step.items()}
-    ax1.fill_between(steps, mib["tokens_held"], step="post", alpha=0.5, label="holding tokens")
-    ax1.step(steps, mib["paged_slots"], where="post", label=f"paged, blocks of {BLOCK_SIZE}")
-    ax1.step(
-        steps, mib["contiguous_final_slots"], where="post", label="contiguous, exact final length"
+    measured = dict(
+        per_step=per_step,
+        token_share=token_share,
+        kv_bytes_per_token=per_token,
+        block_size=BLOCK_SIZE,
+        max_reservation=max_reservation,
+        attention_block_sizes=block_sizes,
+        **attention,
+        attention_seqs=run.sizes.attention_seqs,
+        attention_seq_len=run.sizes.attention_seq_len,
     )
-    title = "memory held by the running requests"
-    style(ax1, "engine step", "KV cache memory (MiB)", title, legend=8)
-    labels = {
-        "contiguous_max": f"contiguous,\nmax length {max_reservation}",
-        "contiguous_final": "contiguous,\nexact final length",
-        "paged": f"paged,\nblocks of {BLOCK_SIZE}",
-    }
-    bars = ax2.barh(
-        [labels[k] for k in labels],
-        [100 * token_share[k] for k in labels],
-        color=["tab:red", "tab:orange", "tab:blue"],
-    )
-    ax2.bar_label(bars, [f" {token_share[k]:.1%}" for k in labels])
-    ax2.set_xlim(0, 100)
-    style(ax2, "reserved KV memory holding tokens (%)", "", "over the whole run", grid=None)
-    plot_spreads(ax3, block_sizes, attention, 1e3, color="tab:green")
-    ax3.set_ylim(bottom=0)
-    sizes = f"{run.sizes.attention_seqs} seqs × {run.sizes.attention_seq_len} tokens, 1 layer"
-    title = f"torch paged decode attention: {sizes}"
-    style(ax3, "block size (tokens)", "time per call (ms)", title, block_sizes)
-    return Chapter(
-        "03-memory-waste",
-        workload,
-        fig,
-        measured=dict(
-            per_step=per_step,
-            token_share=token_share,
-            kv_bytes_per_token=per_token,
-            block_size=BLOCK_SIZE,
-            max_reservation=max_reservation,
-            attention_block_sizes=block_sizes,
-            attention_seconds=[call.median for call in attention],
-            attention_seconds_spread=[spread_record(call) for call in attention],
-            attention_seqs=run.sizes.attention_seqs,
-            attention_seq_len=run.sizes.attention_seq_len,
-        ),
-    )
+    fig = plot_kv_memory(run, workload, per_step, per_token)
+    return Chapter("03-memory-waste", workload, measured=measured, figure=fig)
 
 
 def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[str, list[int]]:
@@ -138,12 +98,29 @@ def trace_kv_memory(run: Run, workload: Workload, max_reservation: int) -> dict[
     return per_step
 
 
+def plot_kv_memory(
+    run: Run, workload: Workload, per_step: dict[str, list[int]], per_token: int
+) -> plt.Figure:
+    """The KV memory the running requests hold after each engine step: the tokens, their
+    paged blocks, and contiguous reservations of each request's exact final length."""
+    fig, ax = run.figure("KV memory: contiguous vs paged", workload, (9, 4.4))
+    steps = np.arange(1, len(per_step["tokens_held"]) + 1)
+    mib = {name: np.array(values) * per_token / MiB for name, values in per_step.items()}
+    ax.fill_between(steps, mib["tokens_held"], step="post", alpha=0.5, label="holding tokens")
+    ax.step(steps, mib["paged_slots"], where="post", label=f"paged, blocks of {BLOCK_SIZE}")
+    label = "contiguous, exact final length"
+    ax.step(steps, mib["contiguous_final_slots"], where="post", label=label)
+    title = "memory held by the running requests"
+    style(ax, "engine step", "KV cache memory (MiB)", title, legend=8)
+    return fig
+
+
 def paged_attention_call(run: Run, block_size: int) -> Callable[[], torch.Tensor]:
     """One decode-attention call (one query per sequence) over a pool of `block_size` blocks,
     each sequence's blocks scattered at random, one layer of the model's shapes."""
-    sizes, config = run.sizes, run.model.config
-    num_seqs, seq_len = sizes.attention_seqs, sizes.attention_seq_len
-    pool = one_layer_pool(config, num_seqs, seq_len, block_size, DTYPE, run.device)
-    step = random_decode_step(config, pool, num_seqs, seq_len)
+    sizes = run.sizes
+    pool, step = decode_attention_step(
+        run, sizes.attention_seqs, sizes.attention_seq_len, block_size
+    )
     attention = TorchPagedAttention(pool, step.metadata)
     return partial(attention, 0, step.q, step.k, step.v)

@@ -2,42 +2,38 @@
 
 The torch reference, flex and Triton on decode steps over batch x context and on a prefill
 chunk; the Triton decode kernel's memory bandwidth against a device-to-device copy's; the engine
-on each backend, in float32 and in bfloat16.
+on each backend, in float32 and in bfloat16. The notebook's section "On a GPU" draws the
+engines' output tokens/s and prints the rest; the figure here draws the decode steps' attention
+across the grid.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import matplotlib.pyplot as plt
 import torch
 
 from minivllm.attention import triton_paged
-from minivllm.bench.attention import (
-    attention_step_timings,
-    decode_attention_timings,
-    one_layer_pool,
-    random_decode_step,
-    random_step,
+from minivllm.bench.attention import attention_step_timings, decode_attention_timings
+from minivllm.bench.gpu.common import (
+    DTYPE,
+    Chapter,
+    Run,
+    decode_attention_step,
+    plot_spreads,
+    prefill_chunk,
+    spread_record,
+    style,
 )
-from minivllm.bench.gpu.common import DTYPE, Chapter, Run, plot_spreads, spread_record, style
-from minivllm.bench.gpu_results import plot_throughput
 from minivllm.bench.measure import Timings
 
 
 def measure_attention_kernels(run: Run) -> Chapter:
-    """The attention backends side by side: decode attention per step over batch x context, one
-    prefill chunk after as many cached tokens, the Triton decode kernel's memory bandwidth
-    against a device-to-device copy's, and the engine on each backend.
-
-    JSON: results (the engine on each backend, varied-output workload: methods
-    "engine-no-prefix-cache:NAME", then "engine-no-prefix-cache:NAME@bfloat16", for speed);
-    backends; decode_attention (a list of {batch, context, ms: {backend: ms of one step's
-    attention, all layers, the median of `repeats` rounds, the backends interleaved}, ms_spread:
-    {backend: {median, low, high}}}); prefill_attention {chunk, cached, ms: {backend: ms},
-    ms_spread}; triton_decode_bandwidth ({batch, context, gb_per_s, copy_gb_per_s,
-    share_of_copy}, each from the median of rounds interleaving the kernel and the copy, on
-    CUDA; null elsewhere: the interpreter's speed means nothing).
-    """
+    """JSON: decode_attention (per batch and context, each backend's ms of one step's
+    attention over all layers, the backends interleaved in rounds) and prefill_attention (the
+    same of the prefill chunk); triton_decode_bandwidth (`decode_bandwidth` on CUDA; null
+    elsewhere: the interpreter's speed means nothing)."""
     sizes, config = run.sizes, run.model.config
     on_gpu = run.device.type == "cuda"
     backends = ["torch", "flex"] + (["triton"] if on_gpu or triton_paged.interpreting() else [])
@@ -49,8 +45,7 @@ def measure_attention_kernels(run: Run) -> Chapter:
         dict(batch=b, context=c) | ms_of(timed, backends) for (b, c), timed in timings.items()
     ]
     chunk = sizes.prefill_chunk
-    pool = one_layer_pool(config, 1, 2 * chunk, 16, DTYPE, run.device)
-    prefill = random_step(config, pool, [chunk], [2 * chunk])
+    pool, prefill = prefill_chunk(run)
     prefill_timings = attention_step_timings(
         backends, pool, prefill, config.num_layers, sizes.repeats
     )
@@ -73,28 +68,30 @@ def measure_attention_kernels(run: Run) -> Chapter:
     limits = dict(max_num_seqs=2, max_num_batched_tokens=16) if run.quick else {}
     results = run.benchmark(run.context(engine_args=limits), workload, methods)
 
-    fig, (left, right) = run.figure("Attention backends", workload, (14, 4.5), 1, 2)
-    contexts = list(sizes.kernel_contexts)
-    for name in backends:
-        for b in sizes.kernel_batches:
-            spreads = [timings[b, c].spread(name) for c in contexts]
-            plot_spreads(left, contexts, spreads, 1e3, label=f"{name}, batch {b}")
-    ylabel = f"attention per decode step, {config.num_layers} layers (ms)"
-    style(left, "context per sequence (tokens)", ylabel, log2_ticks=contexts, log_y=True)
-    left.legend(fontsize=7, ncol=len(backends))
-    plot_throughput(results, "the engine on each backend", ax=right, baseline=methods[0])
-    return Chapter(
-        "06-attention-kernels",
-        workload,
-        fig,
-        results,
-        dict(
-            backends=backends,
-            decode_attention=decode_rows,
-            prefill_attention=dict(chunk=chunk, cached=chunk) | ms_of(prefill_timings, backends),
-            triton_decode_bandwidth=bandwidth,
-        ),
+    measured = dict(
+        backends=backends,
+        decode_attention=decode_rows,
+        prefill_attention=dict(chunk=chunk, cached=chunk) | ms_of(prefill_timings, backends),
+        triton_decode_bandwidth=bandwidth,
     )
+    fig = plot_decode_attention(run, backends, decode_rows)
+    return Chapter("06-attention-kernels", workload, results, measured, figure=fig)
+
+
+def plot_decode_attention(run: Run, backends: list[str], decode_rows: list[dict]) -> plt.Figure:
+    """Each backend's attention per decode step against the context, a line per batch."""
+    what = "Attention backends: one decode step over random K/V"
+    fig, ax = run.figure(what, None, (8, 4.5))
+    contexts = list(run.sizes.kernel_contexts)
+    for name in backends:
+        for batch in run.sizes.kernel_batches:
+            rows = [row for row in decode_rows if row["batch"] == batch]  # in the contexts' order
+            spreads = [row["ms_spread"][name] for row in rows]
+            plot_spreads(ax, contexts, spreads, label=f"{name}, batch {batch}")
+    ylabel = f"attention per decode step, {run.model.config.num_layers} layers (ms)"
+    style(ax, "context per sequence (tokens)", ylabel, log2_ticks=contexts, log_y=True)
+    ax.legend(fontsize=7, ncol=len(backends))
+    return fig
 
 
 def ms_of(timings: Timings, backends: list[str]) -> dict[str, dict]:
@@ -112,17 +109,15 @@ def decode_bandwidth(run: Run) -> dict:
     second, against a device-to-device copy of as many bytes (read once, written once)."""
     sizes, config = run.sizes, run.model.config
     batch, context = max(sizes.kernel_batches), max(sizes.kernel_contexts)
-    pool = one_layer_pool(config, batch, context, 16, DTYPE, run.device)
-    step = random_decode_step(config, pool, batch, context)
+    pool, step = decode_attention_step(run, batch, context)
     kv = pool.layers[0]
-    metadata = step.metadata
     splits = triton_paged.choose_num_splits(batch, config.num_kv_heads, context, run.device)
     bytes_read = 2 * batch * context * config.num_kv_heads * config.head_dim * kv.element_size()
     source = torch.empty(bytes_read, dtype=torch.uint8, device=run.device)
     target = torch.empty_like(source)
     kernel = partial(
         triton_paged.paged_decode_attention,
-        step.q, kv, metadata.block_tables, metadata.seq_lens, splits,
+        step.q, kv, step.metadata.block_tables, step.metadata.seq_lens, splits,
     )  # fmt: skip
     kernel_s, copy_s = run.sweep({"kernel": kernel, "copy": partial(target.copy_, source)})
     gb_per_s = bytes_read / kernel_s.median / 1e9

@@ -2,9 +2,12 @@
 
 With 2+ GPUs, the engine alone against data parallel (DP=2) and tensor parallel (the smallest TP
 the model's heads and the GPUs allow: SmolLM2's 9 query / 3 KV heads need TP=3) on chapter 04's
-workload, and NCCL all-reduces between 2 GPUs; with one GPU, its decode step, matmul peak and
-memory bandwidth; on any device, the projected tensor-parallel decode step of this model and of
-a Llama-3-8B shape at TP = 1-8 over a spec-sheet NVLink ring.
+workload (greedy tokens compared), and NCCL all-reduces between 2 GPUs. With one GPU no engine
+runs. On a CPU (--quick) the same engines, their ranks and replicas processes sharing the cores,
+and gloo all-reduces between 2 processes. On every device: its decode step (this model in
+bfloat16), matmul peak and memory bandwidth, and `projected_step` of this model and of a
+Llama-3-8B shape at TP = 1..8 over a spec-sheet NVLink ring. The notebook prints the record;
+the figure draws it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from dataclasses import asdict
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from matplotlib.axes import Axes
 
 from minivllm.bench.benchmark import MethodResult, device_label, measure_matmul_peak
 from minivllm.bench.gpu.common import (
@@ -22,8 +26,7 @@ from minivllm.bench.gpu.common import (
     all_reduce_between_processes,
     dtype_name,
     engine_tensor_parallel_size,
-    error_bars,
-    plot_rows,
+    plot_spreads,
     spread_record,
     style,
     tensor_parallel_sizes,
@@ -63,29 +66,12 @@ def nvlink(tp: int) -> Link:
 
 
 def measure_parallelism(run: Run) -> Chapter:
-    """Tensor and data parallelism where there are devices to split over, and otherwise what
-    one device can say about them.
-
-    With 2+ GPUs: the engine alone, at DP=2 and at the smallest TP that the model's heads and
-    the GPUs allow, on chapter 04's workload (greedy tokens compared), and NCCL all-reduces
-    between 2 GPUs. With one GPU no engine runs. On a CPU (--quick) the same engines, their
-    ranks and replicas processes sharing the cores, and gloo all-reduces between 2 processes.
-    On every device: its decode step (this model in bfloat16), matmul peak and memory
-    bandwidth, and `projected_step` of this model and of a Llama-3-8B shape at TP = 1..8 over a
-    spec-sheet NVLink ring.
-
-    JSON: results ("engine", "engine:dp=2", "engine:tp=N"; empty when no engine ran); num_gpus;
-    skipped (why no engine ran, else null); tensor_parallel_size (the engine's, else null) and
-    tensor_parallel_skipped (why none ran, else null); notes; all_reduce (rows {bytes, seconds}:
-    one float32 all-reduce between 2 ranks, the slower rank's median; empty on one GPU),
-    all_reduce_backend; link {name, latency_s, bandwidth (bytes/s)} fitted to those rows, or
-    null; machine {name, peak_flops, bandwidth}: this device in bfloat16, measured;
-    decode_steps (rows {batch, measured_s, measured_spread, projected_s}: one step of this
-    model with parallel_context cached tokens per row, and the projection at TP=1, the
-    roofline);
-    projection_dtype, projection_context, projection_links (rows {tp, name, latency_s,
-    bandwidth}) and projection (rows {model, tp, batch, compute_s, communication_s, seconds,
-    speedup: over TP=1 at the same batch}).
+    """JSON: results ("engine", "engine:dp=2", "engine:tp=N"; empty when no engine ran); skipped
+    and tensor_parallel_skipped (why no engine, or no tensor-parallel one, ran; else null);
+    all_reduce (`measure_rank_all_reduce`: empty on one GPU) and the link fitted to it, or null;
+    machine (this device in bfloat16, measured); decode_steps (`measure_decode_steps`);
+    projection (`project_tensor_parallel`, of this model and of a Llama-3-8B shape) and the
+    NVLink rings it assumes, projection_links.
     """
     sizes = run.sizes
     num_gpus = torch.cuda.device_count()
@@ -126,28 +112,23 @@ def measure_parallelism(run: Run) -> Chapter:
     tp_sizes = sorted({row["tp"] for row in projection} - {1})
 
     fig = plot_parallelism(run, workload, results, all_reduce, link, decode_steps, projection)
-    return Chapter(
-        "07-parallelism",
-        workload,
-        fig,
-        results,
-        dict(
-            num_gpus=num_gpus,
-            skipped=skipped,
-            tensor_parallel_size=tp,
-            tensor_parallel_skipped=tp_skipped,
-            notes=notes,
-            all_reduce_backend=all_reduce_backend,
-            all_reduce=all_reduce,
-            link=None if link is None else asdict(link),
-            machine=asdict(machine),
-            decode_steps=decode_steps,
-            projection_dtype=dtype_name(PROJECTION_DTYPE),
-            projection_context=sizes.parallel_context,
-            projection_links=[dict(tp=n, **asdict(nvlink(n))) for n in tp_sizes],
-            projection=projection,
-        ),
+    measured = dict(
+        num_gpus=num_gpus,
+        skipped=skipped,
+        tensor_parallel_size=tp,
+        tensor_parallel_skipped=tp_skipped,
+        notes=notes,
+        all_reduce_backend=all_reduce_backend,
+        all_reduce=all_reduce,
+        link=None if link is None else asdict(link),
+        machine=asdict(machine),
+        decode_steps=decode_steps,
+        projection_dtype=dtype_name(PROJECTION_DTYPE),
+        projection_context=sizes.parallel_context,
+        projection_links=[dict(tp=n, **asdict(nvlink(n))) for n in tp_sizes],
+        projection=projection,
     )
+    return Chapter("07-parallelism", workload, results, measured, figure=fig)
 
 
 def compare_engines(run: Run, workload: Workload, methods: list[str]) -> list[MethodResult]:
@@ -257,25 +238,27 @@ def plot_parallelism(
     return fig
 
 
+def plot_rows(
+    ax: Axes, rows: list[dict], x: str, y: str, fmt: str = "o-", scale: float = 1.0, **look
+) -> None:
+    """Each row's `y` (times `scale`) against its `x`."""
+    ax.plot([row[x] for row in rows], [row[y] * scale for row in rows], fmt, **look)
+
+
 def plot_all_reduce(ax, all_reduce: list[dict], link: Link | None) -> None:
-    message = np.geomspace(2**8, 2**28, 60)  # bytes
+    # Each link's modelled all-reduce time (µs) over the messages: (link, line, colour, label).
+    lines = [
+        (nvlink(tp), "--", TP_COLORS[tp], f"ring of {tp} GPUs, {NVLINK_NAME}") for tp in (2, 8)
+    ]
     if all_reduce:
         label = f"measured, {link.name.removesuffix(' (measured)')}"
         plot_rows(ax, all_reduce, "bytes", "seconds", "o", 1e6, color="black", label=label)
-        ax.plot(
-            message,
-            [link.all_reduce_seconds(n) * 1e6 for n in message],
-            color="black",
-            label=f"fit: {link.latency_s * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s",
-        )
-    for tp in (2, 8):
-        ax.plot(
-            message,
-            [nvlink(tp).all_reduce_seconds(n) * 1e6 for n in message],
-            "--",
-            color=TP_COLORS[tp],
-            label=f"ring of {tp} GPUs, {NVLINK_NAME}",
-        )
+        fit = f"fit: {link.latency_s * 1e6:.0f} µs + bytes / {link.bandwidth / 1e9:.2f} GB/s"
+        lines.insert(0, (link, "-", "black", fit))
+    message = np.geomspace(2**8, 2**28, 60)  # bytes
+    for modelled, line, color, label in lines:
+        seconds = [modelled.all_reduce_seconds(n) * 1e6 for n in message]
+        ax.plot(message, seconds, line, color=color, label=label)
     ax.set_xscale("log", base=2)
     measured = "measured between 2 ranks" if all_reduce else "none measured (one GPU)"
     xlabel, ylabel = "all-reduce message (bytes)", "time of one all-reduce (µs)"
@@ -284,11 +267,9 @@ def plot_all_reduce(ax, all_reduce: list[dict], link: Link | None) -> None:
 
 def plot_decode_steps(ax, run: Run, decode_steps: list[dict], projection: list[dict]) -> None:
     where = "1 GPU" if run.device.type == "cuda" else "this CPU"
-    # Milliseconds: the median of each batch's rounds, and their range as an error bar.
-    spreads = [{k: v * 1e3 for k, v in row["measured_spread"].items()} for row in decode_steps]
-    batches, medians = [row["batch"] for row in decode_steps], [s["median"] for s in spreads]
-    label = f"measured, {where}"
-    ax.errorbar(batches, medians, error_bars(spreads), fmt="o-", capsize=3, color="k", label=label)
+    spreads = [row["measured_spread"] for row in decode_steps]
+    batches = [row["batch"] for row in decode_steps]
+    plot_spreads(ax, batches, spreads, 1e3, color="k", label=f"measured, {where}")
     ours = [row for row in projection if row["model"] == run.model_name]
     for tp in sorted({row["tp"] for row in ours}):
         rows = [row for row in ours if row["tp"] == tp]

@@ -3,7 +3,9 @@
 Plain decoding against n-gram speculation (k = 3 and 5 draft tokens) and a layer-skip draft,
 greedy: copying and free-writing requests at batch 1 (speedup, equal tokens, acceptance per
 draft position), then the copying requests at batch 1-64, plain against k = 3. A full run adds
-plain and k = 3 in bfloat16 at batch 1.
+plain and k = 3 in bfloat16 at batch 1. The engines run without prefix caching: the copies of a
+paragraph in a batch would otherwise share their prompt, and what is measured here is decoding.
+The notebook prints the record; the figure draws the speedups.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from minivllm.bench.gpu.common import (
     Chapter,
     Run,
     chat_requests,
+    chat_workload,
     dtype_name,
     error_bars,
     generate_tokens,
+    plot_spreads,
+    quoted,
     rate_and_ratio,
-    spread_record,
     style,
 )
 from minivllm.bench.workloads import Workload
@@ -63,25 +67,15 @@ BFLOAT16_METHODS = ("plain", SWEEP_METHOD)
 
 
 def measure_speculative_decoding(run: Run) -> Chapter:
-    """Plain decoding against n-gram speculation (k = 3 and 5 draft tokens), greedy.
+    """Every comparison runs the engines interleaved in `engine_repeats` rounds.
 
-    At batch 1 (each request alone) on copying and free-writing requests, then the copying
-    requests at growing batch sizes, plain against k=3. The engines run without prefix caching:
-    the copies of a paragraph in a batch would otherwise share their prompt, and what is
-    measured here is decoding.
-
-    Every comparison runs the engines interleaved in `engine_repeats` rounds: a rate is the
-    median of its rounds, a ratio the median of the ratios taken within each round.
-
-    JSON: results (empty); max_tokens; batch1 (rows {workload, method, tokens_per_s, speedup:
-    over plain on the same workload, same_tokens: as plain's, tokens_per_s_spread and
-    speedup_spread {median, low, high}}, "plain@bfloat16" and "ngram k=3@bfloat16" in a full
+    JSON: batch1 (rows {workload, method, tokens_per_s, speedup: over plain on the same
+    workload, same_tokens: as plain's}, "plain@bfloat16" and "ngram k=3@bfloat16" in a full
     run, compared with plain in bfloat16); acceptance_per_position {"method/workload": [share of
     verification steps that kept the draft at position 0, 1, ..]} from the engine's counters
     over one pass of the workload; verification_steps {"method/workload": steps of that pass
     that checked drafts (0 where the proposer found no match, as on the quick run's random
-    model)}; batch_sweep (rows {batch, plain_tokens_per_s, speculative_tokens_per_s, ratio,
-    ratio_spread}); speculative_method (the sweep's).
+    model)}; batch_sweep (plain against speculative_method at each batch).
     """
     sizes = run.sizes
     workloads = {
@@ -119,17 +113,9 @@ def measure_speculative_decoding(run: Run) -> Chapter:
                 key = f"{method}/{workload}"
                 acceptance[key] = acceptance_per_position(before[method], after, k)
                 verification_steps[key] = counter_delta(before[method], after, DRAFTS)
-            batch1.append(
-                dict(
-                    workload=workload,
-                    method=method,
-                    tokens_per_s=rate.median,
-                    tokens_per_s_spread=spread_record(rate),
-                    speedup=speedup.median,
-                    speedup_spread=spread_record(speedup),
-                    same_tokens=timings.results[method] == timings.results[plain],
-                )
-            )
+            same_tokens = timings.results[method] == timings.results[plain]
+            row = dict(workload=workload, method=method) | quoted("tokens_per_s", rate)
+            batch1.append(row | quoted("speedup", speedup) | dict(same_tokens=same_tokens))
             print(f"batch 1, {workload}, {method}: {rate.format(1)} tokens/s ({speedup.format()}x)")
 
     batch_sweep = []
@@ -140,39 +126,28 @@ def measure_speculative_decoding(run: Run) -> Chapter:
         )  # fmt: skip
         speculative, ratio = rate_and_ratio(timings, SWEEP_METHOD, "plain")
         plain, _ = rate_and_ratio(timings, "plain", "plain")
-        batch_sweep.append(
-            dict(
-                batch=batch,
-                plain_tokens_per_s=plain.median,
-                speculative_tokens_per_s=speculative.median,
-                ratio=ratio.median,
-                ratio_spread=spread_record(ratio),
-            )
-        )
+        medians = dict(plain_tokens_per_s=plain.median, speculative_tokens_per_s=speculative.median)
+        batch_sweep.append(dict(batch=batch) | medians | quoted("ratio", ratio))
         rates = f"plain {plain.format(1)}, {SWEEP_METHOD} {speculative.format(1)}"
         print(f"batch {batch}: {rates} tokens/s")
 
     n = len(PARAGRAPHS)
-    workload = Workload(
-        "copy-and-free-write",
-        [p["prompt_token_ids"] for prompts in workloads.values() for p in prompts],
-        [sizes.spec_output] * (n + len(STORIES)),
+    description = (
         f"{n} chat requests to copy a paragraph word for word and {len(STORIES)} to write "
-        f"freely, greedy, at most {sizes.spec_output} tokens each",
+        f"freely, greedy, at most {sizes.spec_output} tokens each"
     )
-    return Chapter(
-        "08-speculative-decoding",
-        workload,
-        plot_speculative_decoding(run, workload, batch1, batch_sweep),
-        measured=dict(
-            max_tokens=sizes.spec_output,
-            batch1=batch1,
-            acceptance_per_position=acceptance,
-            verification_steps=verification_steps,
-            batch_sweep=batch_sweep,
-            speculative_method=SWEEP_METHOD,
-        ),
+    every_prompt = [prompt for prompts in workloads.values() for prompt in prompts]
+    workload = chat_workload("copy-and-free-write", every_prompt, sizes.spec_output, description)
+    measured = dict(
+        max_tokens=sizes.spec_output,
+        batch1=batch1,
+        acceptance_per_position=acceptance,
+        verification_steps=verification_steps,
+        batch_sweep=batch_sweep,
+        speculative_method=SWEEP_METHOD,
     )
+    fig = plot_speculative_decoding(run, workload, batch1, batch_sweep)
+    return Chapter("08-speculative-decoding", workload, measured=measured, figure=fig)
 
 
 def speculative_engines(
@@ -183,29 +158,23 @@ def speculative_engines(
     (every engine loads its own copy of the model: left to themselves, they would each take
     most of a GPU, or 2 GiB of zeroed CPU memory)."""
     most_drafts = max(s["num_speculative_tokens"] for s in SPECULATIVE.values())
-    largest = Workload(
-        "largest-batch",
-        [p["prompt_token_ids"] for p in largest_batch],
-        # The verification step writes the drafts' KV too: room for them past the last token.
-        [run.sizes.spec_output + most_drafts] * len(largest_batch),
-        "",
-    )
-    budget = run.kv_budget(largest, dtype)
-    engine = partial(
-        LLM, run.model_dir, dtype=dtype, device=run.device, enable_prefix_caching=False
-    )
+    # The verification step writes the drafts' KV too: room for them past the last token.
+    largest = chat_workload("largest-batch", largest_batch, run.sizes.spec_output + most_drafts, "")
     suffix = "" if dtype == DTYPE else "@" + dtype_name(dtype)
     engines = {}
     num_layers = run.model.config.num_layers
     for name in names:
-        config = SPECULATIVE.get(name)  # None: plain decoding
-        pool_bytes = budget
+        config, layers = SPECULATIVE.get(name), num_layers  # config None: plain decoding
         if config is not None and config["method"] == "layer_skip":
             # The draft's layers keep K/V of their own: a block costs that much more.
             draft_layers = min(max(1, round(LAYER_SKIP_SHARE * num_layers)), num_layers - 1)
             config = config | {"num_draft_layers": draft_layers}
-            pool_bytes = budget * (num_layers + draft_layers) // num_layers
-        engines[name + suffix] = engine(speculative_config=config, kv_cache_memory_bytes=pool_bytes)
+            layers += draft_layers
+        pool_bytes = run.kv_budget(largest, dtype) * layers // num_layers
+        engines[name + suffix] = run.engine(
+            largest, dtype, speculative_config=config, enable_prefix_caching=False,
+            kv_cache_memory_bytes=pool_bytes,
+        )  # fmt: skip
     return engines
 
 
@@ -260,10 +229,8 @@ def plot_speculative_decoding(
     style(ax1, "", ylabel, "batch 1: each request alone", legend=8, grid="y")
 
     batches = [row["batch"] for row in batch_sweep]
-    spreads = error_bars([row["ratio_spread"] for row in batch_sweep])
-    ratios = [row["ratio"] for row in batch_sweep]
-    label = f"{SWEEP_METHOD} / plain"
-    ax2.errorbar(batches, ratios, yerr=spreads, fmt="o-", capsize=3, label=label)
+    spreads = [row["ratio_spread"] for row in batch_sweep]
+    plot_spreads(ax2, batches, spreads, label=f"{SWEEP_METHOD} / plain")
     ax2.axhline(1, color="gray", linewidth=0.8)
     title = "copying requests, all submitted at once"
     style(ax2, "copying requests in the batch", ylabel, title, batches, legend=8)

@@ -7,13 +7,18 @@ the server runs without prefix caching, so no rate finds the prompts of an earli
 and none is made cheaper by those before it. Per rate: requests completed and failed, the
 throughput achieved, and at p50/p90/p99 the time to first token (TTFT), the time per output
 token after the first (TPOT, one value per request) and the inter-token latency (ITL, every
-gap between two tokens); the figure draws each latency against the throughput achieved.
+gap between two tokens). The notebook's section "On a GPU" draws TTFT and ITL against the
+throughput achieved, next to its own server's, and prints the rest; the figure here draws TPOT
+the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from functools import partial
+
+import matplotlib.pyplot as plt
 
 from minivllm.bench.gpu.common import DTYPE, Chapter, Run, dtype_name
 from minivllm.bench.gpu_results import SERVING_LATENCIES, plot_latency_against_throughput
@@ -29,29 +34,18 @@ SERVER_START_TIMEOUT_S = 300
 def measure_serving(run: Run) -> Chapter:
     """The server at each of `serve_rates`, `serve_requests` fresh requests a rate.
 
-    JSON: results (empty); rates (one row per offered rate, in order: request_rate (inf: all at
-    once), num_sent, num_completed, num_failed (sent but not completed: an error, or still
-    running after serve_seconds), duration_s, request_throughput (completed requests/s),
-    output_throughput (tokens/s), ttft_ms, tpot_ms, itl_ms and e2e_ms, each {p50, p90, p99},
-    errors (the failed requests' messages)); max_num_seqs; max_seconds_per_rate;
-    prefix_caching (false); engine_core_process (whether the engine ran in a process apart from
-    the server's).
-    """
+    JSON: rates, one `ServeBenchResult.as_dict()` per offered rate, in order."""
     sizes = run.sizes
     rates = list(sizes.serve_rates)
     workload, prompts_per_rate = fresh_prompts(run)
     args = server_args(run, prompts_per_rate)
     with ServerProcess(args, startup_timeout_s=SERVER_START_TIMEOUT_S) as server:
-        model = served_model(server.base_url)
+        at_rate = partial(run_at_rate, server.base_url, served_model(server.base_url))
         warm_up = [[1, 2, 3, 4]]  # the first request's one-time costs are no rate's
-        asyncio.run(run_at_rate(server.base_url, model, warm_up, math.inf, 2, 60.0))
+        asyncio.run(at_rate(warm_up, math.inf, 2, 60.0))
         rows = []
         for rate, prompts in zip(rates, prompts_per_rate):
-            result = asyncio.run(
-                run_at_rate(
-                    server.base_url, model, prompts, rate, sizes.serve_output, sizes.serve_seconds
-                )
-            )
+            result = asyncio.run(at_rate(prompts, rate, sizes.serve_output, sizes.serve_seconds))
             rows.append(result.as_dict())
             print(
                 f"rate {rate:g}/s: {result.num_completed}/{result.num_sent} completed, "
@@ -59,26 +53,27 @@ def measure_serving(run: Run) -> Chapter:
                 f"TPOT {result.tpot_ms['p50']:.2f} ms, ITL {result.itl_ms['p50']:.2f} ms"
             )
 
-    what = "Serving latency under Poisson arrivals, prefix caching off"
-    fig, axes = run.figure(what, workload, (16, 4.4), 1, 3)
-    for ax, latency in zip(axes, SERVING_LATENCIES):
-        plot_latency_against_throughput(ax, rows, latency, f"minivllm serve, {run.model_name}")
-        ax.set_title(SERVING_LATENCIES[latency], fontsize=9)
-        # A log scale needs positive times: a rate at which nothing completed has none.
-        if all(row[latency]["p50"] > 0 for row in rows):
-            ax.set_yscale("log")
-    return Chapter(
-        "09-serving",
-        workload,
-        fig,
-        measured=dict(
-            rates=rows,
-            max_num_seqs=sizes.serve_seats,
-            max_seconds_per_rate=sizes.serve_seconds,
-            prefix_caching=False,
-            engine_core_process=engine_core_process(run),
-        ),
+    measured = dict(
+        rates=rows,
+        max_num_seqs=sizes.serve_seats,
+        max_seconds_per_rate=sizes.serve_seconds,
+        prefix_caching=False,
+        engine_core_process=engine_core_process(run),
     )
+    fig = plot_tpot(run, workload, rows)
+    return Chapter("09-serving", workload, measured=measured, figure=fig)
+
+
+def plot_tpot(run: Run, workload: Workload, rows: list[dict]) -> plt.Figure:
+    """The time per output token at each offered rate against the throughput achieved."""
+    what = "Serving latency under Poisson arrivals, prefix caching off"
+    fig, ax = run.figure(what, workload, (8, 4.4))
+    plot_latency_against_throughput(ax, rows, "tpot_ms", f"minivllm serve, {run.model_name}")
+    ax.set_title(SERVING_LATENCIES["tpot_ms"], fontsize=9)
+    # A log scale needs positive times: a rate at which nothing completed has none.
+    if all(row["tpot_ms"]["p50"] > 0 for row in rows):
+        ax.set_yscale("log")
+    return fig
 
 
 def fresh_prompts(run: Run) -> tuple[Workload, list[list[list[int]]]]:

@@ -2,6 +2,7 @@
 
 The same chat requests answered freely and under a JSON schema (xgrammar's bitmask per sampled
 row): output tokens/s of each, and the schema's compile time; a full run adds both in bfloat16.
+The notebook prints the record; the figure draws the rates.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ from minivllm.bench.gpu.common import (
     Chapter,
     Run,
     chat_requests,
+    chat_workload,
     dtype_name,
     generate_tokens,
+    quoted,
     rate_and_ratio,
-    spread_record,
 )
 from minivllm.bench.measure import Spread, stopwatch
 from minivllm.bench.workloads import Workload
-from minivllm.entrypoints.llm import LLM
 from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 PERSON_SCHEMA = {
@@ -34,27 +35,17 @@ PERSON_SCHEMA = {
 
 
 def measure_structured_outputs(run: Run) -> Chapter:
-    """The same chat requests (greedy) answered freely and under a JSON schema, one batch each
-    on one engine: the grammar's cost is the bitmask each sampled row gets and the matchers
-    advanced by each token. The schema's first compile is timed apart (xgrammar caches it).
+    """The grammar's cost is the bitmask each sampled row gets and the matchers advanced by each
+    token. The schema's first compile is timed apart (xgrammar caches it).
 
-    JSON: results (empty); rows: [{"mode", "requests", "output_tokens", "seconds" (the median
-    of `engine_repeats` rounds, the two modes interleaved), "seconds_spread", "tokens_per_s"}]
-    for "free" and "json schema", then in a full run "free@bfloat16" and "json schema@bfloat16"
-    (an engine of its own, for speed); ratio (schema / free tokens/s, float32, the median of
-    the ratios within rounds) and ratio_spread; compile_seconds (one run).
+    JSON: rows (`free_and_constrained`'s: float32, then in a full run bfloat16); ratio (schema /
+    free tokens/s in float32, taken within rounds); compile_seconds (one run).
     """
     messages = [f"Describe person number {i} as JSON with a name and an age." for i in range(8)]
-    prompts = (chat_requests(run, messages) * run.sizes.grammar_requests)[
-        : run.sizes.grammar_requests
-    ]
-    workload = Workload(
-        "json-person",
-        [p["prompt_token_ids"] for p in prompts],
-        [run.sizes.grammar_output] * len(prompts),
-        f"{len(prompts)} chat requests for a person as JSON, greedy, at most "
-        f"{run.sizes.grammar_output} tokens",
-    )
+    requests, output = run.sizes.grammar_requests, run.sizes.grammar_output
+    prompts = (chat_requests(run, messages) * requests)[:requests]
+    description = f"{requests} chat requests for a person as JSON, greedy, at most {output} tokens"
+    workload = chat_workload("json-person", prompts, output, description)
     rows, ratio, compile_seconds = free_and_constrained(run, workload, DTYPE)
     if not run.quick:  # a quick run checks float32 only: every engine costs a start
         rows += free_and_constrained(run, workload, torch.bfloat16)[0]
@@ -70,18 +61,8 @@ def measure_structured_outputs(run: Run) -> Chapter:
     ax.bar_label(bars, [f" {r['tokens_per_s']:.1f}" for r in rows])
     ax.set_xlabel("output tokens per second")
     ax.invert_yaxis()
-    return Chapter(
-        "10-structured-outputs",
-        workload,
-        fig,
-        [],
-        dict(
-            rows=rows,
-            ratio=ratio.median,
-            ratio_spread=spread_record(ratio),
-            compile_seconds=compile_seconds,
-        ),
-    )
+    measured = dict(rows=rows, **quoted("ratio", ratio), compile_seconds=compile_seconds)
+    return Chapter("10-structured-outputs", workload, measured=measured, figure=fig)
 
 
 def free_and_constrained(
@@ -92,13 +73,7 @@ def free_and_constrained(
     ("@bfloat16" after the mode when not the run's dtype), the schema's rate over the free one
     round by round, and the seconds of the schema's first compile (a one-off)."""
     suffix = "" if dtype == DTYPE else "@" + dtype_name(dtype)
-    llm = LLM(
-        str(run.model_dir),
-        dtype=dtype,
-        device=str(run.device),
-        enforce_eager=run.quick,
-        kv_cache_memory_bytes=run.kv_budget(workload, dtype),
-    )
+    llm = run.engine(workload, dtype, enforce_eager=run.quick)
     prompts = [{"prompt_token_ids": prompt} for prompt in workload.prompts]
     schema = StructuredOutputsParams(json=PERSON_SCHEMA)
     with stopwatch() as compile_watch:  # generate returns tokens on the host: no sync needed
@@ -113,14 +88,6 @@ def free_and_constrained(
     for mode in modes:
         tokens = sum(map(len, timings.results[mode]))
         seconds = timings.spread(mode)
-        rows.append(
-            dict(
-                mode=mode + suffix,
-                requests=len(prompts),
-                output_tokens=tokens,
-                seconds=seconds.median,
-                seconds_spread=spread_record(seconds),
-                tokens_per_s=tokens / seconds.median,
-            )
-        )
+        row = dict(mode=mode + suffix, requests=len(prompts), output_tokens=tokens)
+        rows.append(row | quoted("seconds", seconds) | dict(tokens_per_s=tokens / seconds.median))
     return rows, rate_and_ratio(timings, "json schema", "free")[1], compile_watch.seconds

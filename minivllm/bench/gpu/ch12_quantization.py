@@ -3,10 +3,12 @@
 The engine with its weights in float32, bfloat16, int8 and int4 (both quantized at load, the
 activations in bfloat16: tinygemm's int4 kernel takes bfloat16 only) and, on the embedded
 model, the GGUF file's own 4-bit blocks: one request decoding alone (batch 1, where a step reads
-every weight to make one token) and 32 at once. Next to each rate, the memory-bandwidth bound of
-its scheme (the step's bytes, `roofline.decode_step_cost`, over the measured bandwidth), the
-bytes its weights hold once loaded, and the kernel its layers multiply with (a layer the kernel
-refuses falls back to a dequantized copy per call: the reference path).
+every weight to make one token) and 32 at once (2 in a quick run). Next to each rate, the
+memory-bandwidth bound of its scheme (the step's bytes, `roofline.decode_step_cost`, over the
+measured bandwidth), the bytes its weights hold once loaded, and the kernel its layers multiply
+with (a layer the kernel refuses falls back to a dequantized copy per call: the reference path).
+The notebook's section "On a GPU" draws both workloads' output tokens/s, as speedups over
+bfloat16, and prints the ratios and the int4 kernel: no figure here.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import statistics
 
 import torch
 
-from minivllm.bench.gpu.common import Chapter, Run, speedup_records, stacked_throughput
+from minivllm.bench.gpu.common import Chapter, Run, speedup_records
 from minivllm.bench.gpu_results import as_dicts
 from minivllm.bench.memory import model_weight_bytes
 from minivllm.bench.roofline import decode_step_cost, measure_memory_bandwidth, weight_bytes
@@ -39,24 +41,14 @@ BATCH, QUICK_BATCH = 32, 2  # requests decoding at once in the batched workload
 
 
 def measure_quantization(run: Run) -> Chapter:
-    """The engine in each weight format, at batch 1 and at batch 32 (2 in a quick run), each
-    workload's requests decoding run.sizes.single_output tokens.
+    """Each workload's requests decode `single_output` tokens.
 
-    JSON: results (batch 1, "workload" its workload: "engine-no-prefix-cache" in float32,
-    "engine-no-prefix-cache@bfloat16", "engine-no-prefix-cache:int8@bfloat16", ":int4@bfloat16"
-    and, on a model with a GGUF file, ":gguf@bfloat16"; a quick run: bfloat16 and int4 only);
-    batched {batch_size, workload, results} (the same methods on BATCH requests: `record |
-    record["batched"]` plots like the record); schemes (the schemes measured, in order);
-    gguf_skipped (why the GGUF weights did not run, or null); ratios {"batch1", "batched"} ->
-    scheme -> its output tokens/s over bfloat16's (the median of the ratios within
-    `engine_repeats` rounds) and ratio_spreads beside them; memory_bandwidth (bytes/s of a
-    large copy); weight_bytes scheme -> {"loaded": the bytes the engine's model holds, each
-    copy once (`memory.model_weight_bytes`: a tied table plain and packed), "model":
-    `roofline.weight_bytes`}; bounds: one row per scheme and workload {scheme, method,
-    batch_size, context, step_bytes, bound_tokens_per_s (batch x bandwidth / step bytes:
-    decode only, prefill left out), output_tokens_per_s, share_of_bound}; kernels scheme -> the
-    kernels its linear layers multiply with (sorted, distinct); int4_kernel (the int4 layers'
-    kernel, "... (reference)" where tinygemm did not run); int8_fused_max_rows (rows up to
+    JSON: results (batch 1) and batched {batch_size, workload, results} (BATCH requests:
+    `record | record["batched"]` plots like the record); ratios {"batch1", "batched"} -> scheme
+    -> its output tokens/s over bfloat16's, the ratios taken within rounds; weight_bytes scheme
+    -> {"loaded": the bytes the engine's model holds, each copy once (a tied table plain and
+    packed), "model": `roofline.weight_bytes`}; bounds (decode only, prefill left out);
+    int4_kernel ("... (reference)" where tinygemm did not run); int8_fused_max_rows (rows up to
     which int8 uses its fused kernel: above, a dequantized copy per call, as in the batched
     workload's logits).
     """
@@ -120,39 +112,30 @@ def measure_quantization(run: Run) -> Chapter:
 
     pairs = {scheme: (SCHEMES[scheme][0], BASELINE) for scheme in schemes}
     medians, spreads = speedup_records(dict(batch1=results, batched=batched_results), pairs)
-
-    what = f"Weight-only quantization, batch 1 and {batch}"
-    panels = [(results, single), (batched_results, batched)]
-    fig = stacked_throughput(run, what, panels, 2.5 + 1.2 * len(methods), BASELINE)
-    return Chapter(
-        "12-quantization",
-        single,
-        fig,
-        results,
-        dict(
-            batched=dict(
-                batch_size=batch,
-                workload=dict(name=batched.name, description=batched.description),
-                results=as_dicts(batched_results),
-            ),
-            schemes=schemes,
-            gguf_skipped=gguf_skipped,
-            ratios=medians,
-            ratio_spreads=spreads,
-            memory_bandwidth=bandwidth,
-            weight_bytes={
-                scheme: dict(
-                    loaded=model_weight_bytes(model),
-                    model=weight_bytes(config, SCHEMES[scheme][2], SCHEMES[scheme][1]),
-                )
-                for scheme, model in models.items()
-            },
-            bounds=bounds,
-            kernels=kernels,
-            int4_kernel=int4_kernel,
-            int8_fused_max_rows=INT8_FUSED_MAX_ROWS,
+    measured = dict(
+        batched=dict(
+            batch_size=batch,
+            workload=dict(name=batched.name, description=batched.description),
+            results=as_dicts(batched_results),
         ),
+        schemes=schemes,
+        gguf_skipped=gguf_skipped,
+        ratios=medians,
+        ratio_spreads=spreads,
+        memory_bandwidth=bandwidth,
+        weight_bytes={
+            scheme: dict(
+                loaded=model_weight_bytes(model),
+                model=weight_bytes(config, SCHEMES[scheme][2], SCHEMES[scheme][1]),
+            )
+            for scheme, model in models.items()
+        },
+        bounds=bounds,
+        kernels=kernels,
+        int4_kernel=int4_kernel,
+        int8_fused_max_rows=INT8_FUSED_MAX_ROWS,
     )
+    return Chapter("12-quantization", single, results, measured)
 
 
 def engine_model(ctx, method: str, dtype: torch.dtype) -> torch.nn.Module:

@@ -1,10 +1,12 @@
 """What every chapter's measurement shares: the sizes, the run (the model loaded once), the
-chapter's record and how it is saved, and the helpers two or more chapters use (a decode step
-over random K/V, chat requests, tensor-parallel sizes, all-reduces between processes).
+chapter's record and how it is saved, what the figures of the chapters that draw one share, and
+the helpers two or more chapters use (a decode step over random K/V, chat requests,
+tensor-parallel sizes, all-reduces between processes).
 """
 
 from __future__ import annotations
 
+import gc
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -18,7 +20,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from matplotlib.axes import Axes
 
+from minivllm.attention.backend import PagedKVCache
 from minivllm.baselines.kv_cache import ContiguousKVCache
+from minivllm.bench.attention import AttentionStep, one_layer_pool, random_decode_step, random_step
 from minivllm.bench.benchmark import (
     BenchmarkContext,
     MethodResult,
@@ -30,8 +34,7 @@ from minivllm.bench.benchmark import (
     workload_kv_cache_bytes,
     write_json,
 )
-from minivllm.bench.gpu_results import GPU_RESULTS_DIR, plot_throughput
-from minivllm.bench.measure import Spread, Timings, interleaved, ratio_within_rounds
+from minivllm.bench.measure import Spread, Timings, interleaved, rate_spread, ratio_spread
 from minivllm.bench.workloads import Workload, varied_output_workload
 from minivllm.config import EngineConfig, ModelConfig
 from minivllm.entrypoints.llm import LLM
@@ -43,7 +46,6 @@ from minivllm.sample.sampling_params import SamplingParams
 from minivllm.tokenizer import apply_chat_template
 
 DTYPE = torch.float32
-DEFAULT_OUT = GPU_RESULTS_DIR
 MiB = 2**20
 Result = TypeVar("Result")
 
@@ -54,10 +56,7 @@ def size(full, quick):
 
 
 # Every size twice, `size(a full run on a GPU, a quick run)`. The quick ones run every chapter in
-# seconds on a CPU. The full ones take much longer than three minutes on an H200 where eager
-# PyTorch spends ~25 ms on a batch-1 decode step of the 135M model (launches, not arithmetic):
-# one such machine measured the smoke in 88 s and chapter 01 in 112 s, and chapter 02 was still
-# running after 170 s. The JSON records each chapter's seconds.
+# seconds on a CPU; the full ones take minutes a chapter on an H200 (the README says how long).
 @dataclass(frozen=True)
 class Sizes:
     """How much each chapter measures."""
@@ -182,6 +181,15 @@ class Run:
         print(format_table(results))
         return results
 
+    def engine(self, workload: Workload, dtype: torch.dtype = DTYPE, **settings) -> LLM:
+        """An engine on the run's model and device in `dtype`, its KV pool sized for
+        `workload` (`kv_budget`), with the engine settings `settings`."""
+        budget = self.kv_budget(workload, dtype)
+        settings = (
+            dict(dtype=dtype, device=str(self.device), kv_cache_memory_bytes=budget) | settings
+        )
+        return LLM(str(self.model_dir), **settings)
+
     def varied_workload(self) -> Workload:
         """The varied-output workload at the run's sizes: chapters 02-04's, 06's, 07's, 11's."""
         sizes = self.sizes
@@ -232,17 +240,14 @@ class Run:
     def figure(
         self, what: str, workload: Workload | None, size: tuple[float, float], *grid: int
     ) -> tuple[plt.Figure, Any]:
-        """A figure of `grid` (rows, columns) panels, one by default, under `title`'s line."""
+        """A figure of `grid` (rows, columns) panels, one by default, titled with the
+        measurement, model, dtype, device and workload."""
         fig, axes = plt.subplots(*grid, figsize=size, layout="constrained")
-        fig.suptitle(self.title(what, workload), fontsize=10)
-        return fig, axes
-
-    def title(self, what: str, workload: Workload | None = None) -> str:
-        """A figure title naming the measurement, model, dtype, device and workload."""
-        line = f"{what} · {self.model_name} · {dtype_name(DTYPE)} · {device_label()}"
+        title = f"{what} · {self.model_name} · {dtype_name(DTYPE)} · {device_label()}"
         if workload is not None:
-            line += f"\n{workload.name}: {workload.description}"
-        return line
+            title += f"\n{workload.name}: {workload.description}"
+        fig.suptitle(title, fontsize=10)
+        return fig, axes
 
 
 @dataclass
@@ -251,16 +256,14 @@ class Chapter:
 
     stem: str  # "04-throughput": the names of its JSON and its figure
     workload: Workload  # what it measured on (for chapter 00, the prompts it compared on)
-    figure: plt.Figure | None  # None: a record without a figure (the smoke)
     results: list[MethodResult] = field(default_factory=list)  # methods timed side by side
     measured: dict = field(default_factory=dict)  # the chapter's own numbers
+    # What the chapter's notebook does not draw of the record; None where it draws all of it
+    # (its section "On a GPU": the plotting lives there) and for the smoke.
+    figure: plt.Figure | None = None
     # What went wrong although the record could be written (the smoke's failing branches):
     # the record is saved, and the run counts the chapter as failed.
     failures: list[str] = field(default_factory=list)
-
-    @property
-    def number(self) -> int | None:
-        return chapter_number(self.stem)
 
 
 def chapter_number(key: str) -> int | None:
@@ -297,33 +300,21 @@ def spread_record(spread: Spread, scale: float = 1.0) -> dict[str, float]:
     return dict(median=spread.median * scale, low=spread.low * scale, high=spread.high * scale)
 
 
-def plot_spreads(ax: Axes, xs: list, spreads: list[Spread], scale: float = 1.0, **look) -> None:
-    """Medians joined by a line, each with its rounds' range as an error bar (times `scale`)."""
+def quoted(key: str, spreads: Spread | list[Spread], scale: float = 1.0) -> dict:
+    """How a record quotes rounds: under `key` the median (a list of them, for a list of
+    spreads), under `key`_spread each one's `spread_record`, all times `scale`."""
+    if isinstance(spreads, Spread):
+        return {key: spreads.median * scale, f"{key}_spread": spread_record(spreads, scale)}
     records = [spread_record(spread, scale) for spread in spreads]
+    return {key: [record["median"] for record in records], f"{key}_spread": records}
+
+
+def plot_spreads(ax: Axes, xs: list, records: list[dict], scale: float = 1.0, **look) -> None:
+    """Medians joined by a line, each with its rounds' range as an error bar: `spread_record`s,
+    times `scale`."""
+    records = [{name: value * scale for name, value in record.items()} for record in records]
     medians = [record["median"] for record in records]
     ax.errorbar(xs, medians, yerr=error_bars(records), fmt="o-", capsize=3, **look)
-
-
-def stacked_throughput(
-    run: Run,
-    what: str,
-    panels: list[tuple[list[MethodResult], Workload]],
-    height: float,
-    baseline: str | None = None,
-) -> plt.Figure:
-    """One panel of output tokens/s bars per (results, workload), stacked."""
-    fig, axes = run.figure(what, None, (10, height), len(panels), 1)
-    for ax, (results, workload) in zip(axes, panels):
-        title = f"{workload.name}: {workload.description}"
-        plot_throughput(results, title, ax=ax, baseline=baseline)
-    return fig
-
-
-def plot_rows(
-    ax: Axes, rows: list[dict], x: str, y: str, fmt: str = "o-", scale: float = 1.0, **look
-) -> None:
-    """Each row's `y` (times `scale`) against its `x`."""
-    ax.plot([row[x] for row in rows], [row[y] * scale for row in rows], fmt, **look)
 
 
 def error_bars(records: list[dict[str, float]]) -> list[list[float]]:
@@ -358,17 +349,6 @@ def style(
         ax.legend(fontsize=legend)
     if grid:
         ax.grid(axis=grid, alpha=0.3)
-
-
-def rate_spread(tokens: float, seconds: Spread) -> Spread:
-    """Tokens per second, round by round."""
-    return Spread(tuple(tokens / s for s in seconds.values))
-
-
-def ratio_spread(numerators: Spread, denominators: Spread) -> Spread:
-    """A ratio taken within each round (the same round's values over each other), so that the
-    machine's drift from round to round cancels."""
-    return ratio_within_rounds(numerators.values, denominators.values)
 
 
 def result_speedup(results: list[MethodResult], method: str, baseline: str) -> Spread:
@@ -418,12 +398,13 @@ def rate_and_ratio(timings: Timings, method: str, baseline: str) -> tuple[Spread
 
 
 def save(run: Run, chapter: Chapter, out_dir: Path, seconds: float) -> None:
-    """NN-name.json (write_json's record and the chapter's numbers) and NN-name.png."""
+    """NN-name.json (write_json's record and the chapter's numbers), and NN-name.png where the
+    chapter draws a figure."""
     write_json(
         out_dir / f"{chapter.stem}.json",
         chapter.workload,
         chapter.results,
-        chapter=chapter.number,
+        chapter=chapter_number(chapter.stem),
         model=run.model_name,
         dtype=dtype_name(DTYPE),
         quick=run.quick,
@@ -463,12 +444,44 @@ def _decode_step(model: LlamaForCausalLM, ids, positions, cache, seq_lens) -> to
     return model.compute_logits(model(ids, positions, cache.decode(seq_lens)))
 
 
+def decode_attention_step(
+    run: Run, seqs: int, context: int, block_size: int = 16, pool_seqs: int | None = None
+) -> tuple[PagedKVCache, AttentionStep]:
+    """A decode step of `seqs` sequences of `context` tokens over random K/V, their blocks
+    scattered over a one-layer pool of the model's shapes with room for `pool_seqs` (`seqs` by
+    default) such sequences: bench/attention.py's pool and step, in the run's dtype."""
+    config = run.model.config
+    pool = one_layer_pool(config, pool_seqs or seqs, context, block_size, DTYPE, run.device)
+    return pool, random_decode_step(config, pool, seqs, context)
+
+
+def prefill_chunk(run: Run) -> tuple[PagedKVCache, AttentionStep]:
+    """Chapter 06's prefill chunk: `prefill_chunk` new tokens after as many cached."""
+    config, chunk = run.model.config, run.sizes.prefill_chunk
+    pool = one_layer_pool(config, 1, 2 * chunk, 16, DTYPE, run.device)
+    return pool, random_step(config, pool, [chunk], [2 * chunk])
+
+
 def chat_requests(run: Run, messages: list[str]) -> list[dict]:
     """Each message as a one-turn chat prompt, in the run's tokenizer's template."""
     return [
         {"prompt_token_ids": apply_chat_template(run.tokenizer, [{"role": "user", "content": m}])}
         for m in messages
     ]
+
+
+def chat_workload(name: str, prompts: list[dict], output: int, description: str) -> Workload:
+    """A workload of `chat_requests` prompts, each generating at most `output` tokens."""
+    ids = [prompt["prompt_token_ids"] for prompt in prompts]
+    return Workload(name, ids, [output] * len(ids), description)
+
+
+def free_memory() -> None:
+    """Collect what the last measurement dropped, and give its GPU memory back to the device:
+    the next engine then finds it free (and memory readings count it as free)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def tensor_parallel_sizes(config: ModelConfig, candidates) -> list[int]:

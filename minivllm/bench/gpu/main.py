@@ -5,7 +5,6 @@ command line of `python -m minivllm.bench.gpu` (and of scripts/gpu_bench.py, `ma
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -31,16 +30,9 @@ from minivllm.bench.gpu.ch09_serving import measure_serving
 from minivllm.bench.gpu.ch10_structured_outputs import measure_structured_outputs
 from minivllm.bench.gpu.ch11_compiled_step import measure_compiled_step
 from minivllm.bench.gpu.ch12_quantization import measure_quantization
-from minivllm.bench.gpu.common import (
-    DEFAULT_OUT,
-    DTYPE,
-    Run,
-    chapter_number,
-    device_slug,
-    load_run,
-    save,
-)
+from minivllm.bench.gpu.common import Run, chapter_number, device_slug, free_memory, load_run, save
 from minivllm.bench.gpu.smoke import measure_smoke
+from minivllm.bench.gpu_results import GPU_RESULTS_DIR
 from minivllm.bench.measure import stopwatch
 
 # Chapter number -> its measurement, in the order they run: the smoke first, so that a branch
@@ -85,9 +77,7 @@ def run_chapter(run: Run, number: str, out_dir: Path) -> bool:
         (out_dir / f"{number}.error.json").write_text(json.dumps(record, indent=2) + "\n")
         print(f"== chapter {number} FAILED: {record['error']}\n", file=sys.stderr)
         plt.close("all")
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        free_memory()
         return False
     print(f"== {chapter.stem}: {watch.seconds:.1f} s\n")
     for failure in chapter.failures:
@@ -111,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help=f"where results go, in a folder per device (default: {DEFAULT_OUT}; "
+        help=f"where results go, in a folder per device (default: {GPU_RESULTS_DIR}; "
         "with --quick, a temporary directory)",
     )
     return parser.parse_args(argv)
@@ -131,7 +121,9 @@ def main(argv: list[str] | None = None) -> Path:
             "the GPU bench measures on a CUDA GPU and found none. On a CPU the notebooks' full "
             "mode is the measurement (make notebooks); --quick checks the bench at tiny sizes."
         )
-    out = args.out or (Path(tempfile.mkdtemp(prefix="gpu-bench-")) if args.quick else DEFAULT_OUT)
+    out = args.out or (
+        Path(tempfile.mkdtemp(prefix="gpu-bench-")) if args.quick else GPU_RESULTS_DIR
+    )
     out_dir = out / device_slug()
     out_dir.mkdir(parents=True, exist_ok=True)
     plt.switch_backend("agg")  # figures go to files only
@@ -139,7 +131,7 @@ def main(argv: list[str] | None = None) -> Path:
     # The tiny model's directory must outlive the run: every engine loads the model from it.
     with stopwatch() as watch, tempfile.TemporaryDirectory(prefix="minivllm-tiny-") as scratch:
         run = load_run(args.quick, device, Path(scratch))
-        print(f"{device_label()}, {run.model_name}, {DTYPE}; results in {out_dir}")
+        print(f"{device_label()}, {run.model_name}, {run.model.dtype}; results in {out_dir}")
         failed = [number for number in numbers if not run_chapter(run, number, out_dir)]
     print(f"{len(numbers)} chapters in {watch.seconds:.0f} s: {out_dir}")
     if failed:

@@ -17,7 +17,6 @@ branch checked, for those that ran}, "tracebacks" {name: the failing branch's tr
 from __future__ import annotations
 
 import copy
-import gc
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,16 +27,19 @@ import torch
 from minivllm.attention import triton_paged
 from minivllm.attention.backend import PagedAttentionBackend, PagedKVCache, get_attention_backend
 from minivllm.attention.torch_paged import TorchPagedAttention
-from minivllm.bench.attention import AttentionStep, one_layer_pool, random_decode_step, random_step
+from minivllm.bench.attention import AttentionStep
 from minivllm.bench.benchmark import matching_token_share
 from minivllm.bench.gpu.common import (
-    DTYPE,
     Chapter,
     Run,
     all_reduce_between_processes,
     chat_requests,
+    chat_workload,
+    decode_attention_step,
     engine_tensor_parallel_size,
+    free_memory,
     generate_tokens,
+    prefill_chunk,
 )
 from minivllm.bench.workloads import Workload
 from minivllm.entrypoints.llm import LLM
@@ -59,23 +61,17 @@ class Smoke:
     engine's tokens (made once, by the first branch that compares with them)."""
 
     run: Run
+    workload: Workload  # every engine's KV pool is sized for it
     prompts: list[dict]
     params: SamplingParams
-    kv_cache_memory_bytes: int  # every engine's pool: room for the prompts and their tokens
     _eager_tokens: list[list[int]] | None = field(default=None, repr=False)
 
     @contextmanager
     def engine(self, **settings) -> Iterator[LLM]:
         """An engine on the run's model, eager and in the run's dtype unless `settings` say
         otherwise, shut down afterwards (parallel engines hold processes and GPUs)."""
-        args = dict(
-            dtype=DTYPE,
-            device=self.run.device,
-            enforce_eager=True,
-            max_num_seqs=len(self.prompts),
-            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-        )
-        llm = LLM(self.run.model_dir, **(args | settings))
+        args = dict(enforce_eager=True, max_num_seqs=len(self.prompts)) | settings
+        llm = self.run.engine(self.workload, **args)
         try:
             yield llm
         finally:
@@ -112,16 +108,13 @@ def measure_smoke(run: Run) -> Chapter:
         run, ["Write a haiku about a lighthouse.", "What is the capital of France?"]
     )
     output = run.sizes.smoke_output
-    workload = Workload(
-        "smoke",
-        [p["prompt_token_ids"] for p in prompts],
-        [output] * len(prompts),
+    description = (
         f"{len(prompts)} chat requests, {output} new tokens each, greedy; one decode step and "
-        "one prefill chunk of random attention inputs",
+        "one prefill chunk of random attention inputs"
     )
-    budget = run.kv_budget(workload)
+    workload = chat_workload("smoke", prompts, output, description)
     params = SamplingParams(temperature=0.0, max_tokens=output, ignore_eos=True)
-    smoke = Smoke(run, prompts, params, budget)
+    smoke = Smoke(run, workload, prompts, params)
 
     branches, details, tracebacks = {}, {}, {}
     for name, check in BRANCHES.items():
@@ -134,24 +127,14 @@ def measure_smoke(run: Run) -> Chapter:
             branches[name] = f"error: {type(error).__name__}: {error}"
             tracebacks[name] = traceback.format_exc()
         finally:
-            gc.collect()  # the branch's engines, before the next one measures GPU memory
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            free_memory()  # the branch's engines, before the next one measures GPU memory
         print(f"smoke: {name}: {branches[name]}")
-    return Chapter(
-        "smoke",
-        workload,
-        None,
-        measured=dict(
-            branches=branches,
-            details=details,
-            tracebacks=tracebacks,
-            num_gpus=torch.cuda.device_count(),
-        ),
-        failures=[
-            f"{name}: {status}" for name, status in branches.items() if status.startswith("error")
-        ],
-    )
+    num_gpus = torch.cuda.device_count()
+    measured = dict(branches=branches, details=details, tracebacks=tracebacks, num_gpus=num_gpus)
+    failed = [
+        f"{name}: {status}" for name, status in branches.items() if status.startswith("error")
+    ]
+    return Chapter("smoke", workload, measured=measured, failures=failed)
 
 
 # --- the branches ------------------------------------------------------------------------------
@@ -181,18 +164,15 @@ def triton_attention(smoke: Smoke) -> dict:
     triton = get_attention_backend("triton").for_device(run.device)
     # Two splits' worth of context at least, whatever the sizes: a shorter one is not split.
     context = max(max(run.sizes.kernel_contexts), 2 * triton_paged.MIN_TOKENS_PER_SPLIT)
-    decode_pool, decode = decode_step(run, context)
-    decode_diff, attention = against_torch(triton, decode_pool, decode)
+    decode_diff, attention = against_torch(triton, *decode_step(run, context))
     if attention.num_splits < 2:
         raise AssertionError(
             f"the decode step ran in {attention.num_splits} split: there was nothing to combine"
         )
-    prefill_pool, prefill = prefill_chunk(run)
-    prefill_diff, _ = against_torch(triton, prefill_pool, prefill)
+    prefill_diff, _ = against_torch(triton, *prefill_chunk(run))
+    splits = attention.num_splits
     return dict(
-        decode_max_abs_diff=decode_diff,
-        num_splits=attention.num_splits,
-        prefill_max_abs_diff=prefill_diff,
+        decode_max_abs_diff=decode_diff, num_splits=splits, prefill_max_abs_diff=prefill_diff
     )
 
 
@@ -248,16 +228,14 @@ def tensor_parallel_engine(smoke: Smoke) -> dict:
     tp, why = engine_tensor_parallel_size(run, torch.cuda.device_count())
     if tp is None:
         raise Skipped(why)
-    return dict(tensor_parallel_size=tp) | parallel_engine(smoke, tp, tensor_parallel_size=tp)
+    return parallel_engine(smoke, tensor_parallel_size=tp)
 
 
 def data_parallel_engine(smoke: Smoke) -> dict:
     """Two replicas of the engine, each in a process and on a GPU of its own (see
     `parallel_engine`)."""
     require_cuda(smoke.run, PARALLEL_SIZE)
-    return dict(data_parallel_size=PARALLEL_SIZE) | parallel_engine(
-        smoke, PARALLEL_SIZE, data_parallel_size=PARALLEL_SIZE
-    )
+    return parallel_engine(smoke, data_parallel_size=PARALLEL_SIZE)
 
 
 # Name -> the branch, in the order they run: the single-device ones first.
@@ -280,17 +258,8 @@ def decode_step(run: Run, context: int | None = None) -> tuple[PagedKVCache, Att
     """Chapter 06's decode step with the longest context of its grid (or `context` tokens), at
     its smallest batch (the most splits), in a pool of the grid's size: chapter 06 then finds
     flex's kernels for it compiled."""
-    sizes, config = run.sizes, run.model.config
-    context = context or max(sizes.kernel_contexts)
-    pool = one_layer_pool(config, max(sizes.kernel_batches), context, 16, DTYPE, run.device)
-    return pool, random_decode_step(config, pool, min(sizes.kernel_batches), context)
-
-
-def prefill_chunk(run: Run) -> tuple[PagedKVCache, AttentionStep]:
-    """Chapter 06's prefill chunk: `prefill_chunk` new tokens after as many cached."""
-    config, chunk = run.model.config, run.sizes.prefill_chunk
-    pool = one_layer_pool(config, 1, 2 * chunk, 16, DTYPE, run.device)
-    return pool, random_step(config, pool, [chunk], [2 * chunk])
+    batches, context = run.sizes.kernel_batches, context or max(run.sizes.kernel_contexts)
+    return decode_attention_step(run, min(batches), context, pool_seqs=max(batches))
 
 
 def against_torch(
@@ -320,16 +289,17 @@ def copy_pool(pool: PagedKVCache) -> PagedKVCache:
     return copied
 
 
-def parallel_engine(smoke: Smoke, size: int, **parallel) -> dict:
-    """Start a parallel engine over `size` GPUs and generate. Its ranks must each sit on a GPU
-    of their own: each holds at least its share of the weights, so a GPU of cuda:0..size-1 that
-    lost less than half of that meanwhile holds none, and its rank sits on another one. Its
+def parallel_engine(smoke: Smoke, **parallel: int) -> dict:
+    """Start an engine with one `parallel` setting (data_parallel_size=2, say: as many GPUs)
+    and generate. Its ranks must each sit on a GPU of their own: each holds at least its share
+    of the weights, so a GPU of cuda:0..size-1 that lost less than half of that meanwhile holds
+    none, and its rank sits on another one. Its
     first tokens must be the eager engine's (a rank computing on the wrong GPU gives garbage);
     later ones may drift, as the sums are split and batched otherwise (the share that matches
-    is recorded). Returns gpu_bytes_taken per GPU and matching_token_share."""
+    is recorded). Returns the setting, gpu_bytes_taken per GPU and matching_token_share."""
+    (size,) = parallel.values()  # the one setting's value: the GPUs the engine spans
     eager = smoke.eager_tokens()  # made first: its engine's memory is not the parallel one's
-    gc.collect()
-    torch.cuda.empty_cache()  # memory this process freed counts as free again
+    free_memory()  # memory this process freed counts as free again
     free_before = [torch.cuda.mem_get_info(i)[0] for i in range(size)]
     with smoke.engine(**parallel) as llm:
         tokens = smoke.generate(llm)
@@ -343,4 +313,5 @@ def parallel_engine(smoke: Smoke, size: int, **parallel) -> dict:
         )
     if [t[0] for t in tokens] != [t[0] for t in eager]:
         raise AssertionError(f"the engine with {parallel} starts with other tokens than eager's")
-    return dict(gpu_bytes_taken=taken, matching_token_share=matching_token_share(tokens, eager))
+    share = matching_token_share(tokens, eager)
+    return parallel | dict(gpu_bytes_taken=taken, matching_token_share=share)
