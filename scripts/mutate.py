@@ -76,6 +76,8 @@ GROUPS: dict[str, tuple[list[str], list[str]]] = {
     "engine": (
         ["minivllm/engine/*.py"],
         [
+            # The fast unit tests first: stand-in engines, sockets and processes, no model.
+            "tests/test_engine_units.py",
             "tests/test_ch04_engine.py",
             "tests/test_engine_failures.py",
             "tests/test_engine_review_2.py",

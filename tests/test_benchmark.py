@@ -293,7 +293,10 @@ def test_code_version_names_the_last_commit_of_the_code(tmp_path):
     assert code_version(tmp_path) == f"commit {code}"
     (tmp_path / "minivllm/engine.py").write_text("x = 2\n")
     assert code_version(tmp_path) == f"commit {code}+changes"
-    script = commit("scripts/run.py", "print()\n")
+    commit("scripts/mutate.py", "print()\n")  # a tool that makes no notebook number
+    commit("minivllm/bench/gpu/ch01.py", "y = 1\n")  # its records are the notebooks' data
+    assert code_version(tmp_path) == f"commit {code}+changes"
+    script = commit("scripts/serve_vs_vllm.py", "print()\n")  # notebook 09 runs it
     assert code_version(tmp_path) == f"commit {script}+changes"
 
 

@@ -716,16 +716,23 @@ def write_json(path: str | Path, workload: Workload, results: list[MethodResult]
     Path(path).write_text(json.dumps(record, indent=2))
 
 
-# What makes a notebook's numbers: the package, the scripts the notebooks run, the dependencies.
-# Prose, tests and the notebooks' own outputs and figures can change without changing a number.
-CODE_PATHS = ("minivllm", "scripts", "pyproject.toml")
+# What runs when a notebook runs: the package, the one script a notebook starts, the
+# dependencies. Prose, tests, the notebooks' own outputs and figures, the tools that only run
+# from the command line (mutation testing, the notebook runner) and the GPU benchmark, whose
+# records the notebooks read as committed data, can change without changing a number.
+CODE_PATHS = (
+    "minivllm",
+    ":(exclude)minivllm/bench/gpu",
+    "scripts/serve_vs_vllm.py",
+    "pyproject.toml",
+)
 
 
 def code_version(root: Path | None = None) -> str:
     """The last commit that changed the code (short hash, "+changes" when the checked-out code
     differs from it), so a notebook's printed numbers say which code made them; the package
-    version outside a git checkout. Only `CODE_PATHS` count: a later commit of a chapter or of
-    the notebooks' outputs leaves the version alone, so a book run spread over several sittings,
+    version outside a git checkout. Only `CODE_PATHS` count: a later commit of a chapter, of
+    the notebooks' outputs or of the GPU benchmark leaves the version alone, so a book run spread over several sittings,
     with its finished notebooks committed in between, still names one version."""
     import subprocess
     from importlib.metadata import version

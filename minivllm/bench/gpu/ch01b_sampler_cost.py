@@ -32,8 +32,9 @@ def sampling_rows(params: SamplingParams, rows: int) -> list[SamplingRow]:
     """`rows` rows of one setting, each with 64 tokens of history (and, seeded, a generator of
     its own)."""
     history = list(range(64))
+    seeded = params.seed is not None  # `if params.seed` would take seed 0 for no seed
     return [
-        SamplingRow(params, history, history, make_generator(0) if params.seed else None)
+        SamplingRow(params, history, history, make_generator(0) if seeded else None)
         for _ in range(rows)
     ]
 

@@ -1,0 +1,1145 @@
+"""The engine's bookkeeping on its own: no model, no process, stand-ins for everything else.
+
+The engine tests (test_ch04_engine.py, test_ch09_async_engine.py, ...) run real models and
+real processes, and check that the tokens come out right. These check, in steps small enough
+to follow by hand, the plain-data work around the model: which metrics an engine reports and
+how replicas' metrics are combined, how a cumulative output is cut into deltas, what the
+engine core does with each message and what it sends back, and how the front end's clients
+route aborts and calls to their cores. Every engine, socket, pipe and process here is a
+stand-in that records the calls made on it, so a test can say exactly what was asked.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import zmq
+
+from minivllm.core.prefix_cache import PrefixCacheStats, hash_blocks
+from minivllm.core.scheduler import SpecDecodeStats
+from minivllm.engine.core import (
+    AbortRequests,
+    AbortSequences,
+    CallResult,
+    EngineCore,
+    EngineCoreOutputs,
+    EngineCoreProc,
+    FunctionCall,
+)
+from minivllm.engine.core_client import (
+    CoreProcess,
+    CoreProcesses,
+    EngineDeadError,
+    InprocClient,
+    MPClient,
+)
+from minivllm.engine.data_parallel import (
+    AddRequest,
+    DataParallelEngine,
+    EngineCall,
+    Failed,
+    PrefixAffinity,
+    RemoteTraceback,
+    Replica,
+    Shutdown,
+    aggregate_metrics,
+    picklable_error,
+)
+from minivllm.engine.deltas import OutputDeltas
+from minivllm.engine.llm_engine import LLMEngine, Metric, spec_decode_metric_rows
+from minivllm.engine.output_processor import SequenceState, cumulative_logprob_after
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.sample.sampling_params import SamplingParams
+
+HANG_GUARD_S = 5  # a wait that ends in milliseconds, unless something hangs
+PROMPT = {"prompt": None, "prompt_token_ids": [1, 2, 3, 4, 5]}
+ONE = SamplingParams(max_tokens=4)
+
+
+def wait_for(condition, what: str, failures: list = ()) -> None:
+    deadline = time.monotonic() + HANG_GUARD_S
+    while not condition():
+        assert not failures, failures
+        assert time.monotonic() < deadline, f"{what} never happened"
+        time.sleep(0.002)
+
+
+# --- LLMEngine: metrics, aborts of single sequences ---------------------------------------------
+
+
+def test_spec_decode_metrics_are_vllms_counters_and_two_rates():
+    """Four verification steps proposed 10 draft tokens and kept 6 (4 at the first position,
+    2 at the second): the three counters under vLLM's names, 6/10 of the drafts accepted, 1 +
+    6/4 = 2.5 tokens per verification step, and one counter per draft position."""
+    stats = SpecDecodeStats(
+        num_drafts=4, num_draft_tokens=10, num_accepted_tokens=6, accepted_per_position=[4, 2]
+    )
+    assert spec_decode_metric_rows(stats) == [
+        ("vllm:spec_decode_num_drafts", "counter", 4, "Verification steps"),
+        ("vllm:spec_decode_num_draft_tokens", "counter", 10, "Draft tokens"),
+        ("vllm:spec_decode_num_accepted_tokens", "counter", 6, "Draft tokens accepted"),
+        ("minivllm:spec_decode_acceptance_rate", "gauge", 0.6, "accepted / draft tokens, so far"),
+        (
+            "minivllm:spec_decode_mean_accepted_length",
+            "gauge",
+            2.5,
+            "tokens a verification step emits on average (accepted drafts + 1)",
+        ),
+        (
+            'vllm:spec_decode_num_accepted_tokens_per_pos{position="0"}',
+            "counter",
+            4,
+            "Drafts accepted at position 0",
+        ),
+        (
+            'vllm:spec_decode_num_accepted_tokens_per_pos{position="1"}',
+            "counter",
+            2,
+            "Drafts accepted at position 1",
+        ),
+    ]
+
+
+def test_spec_decode_rates_are_zero_before_the_first_draft():
+    """No draft yet: both rates read 0.0 (no division by zero) and there is no per-position
+    counter."""
+    rows = spec_decode_metric_rows(SpecDecodeStats())
+    assert [(name, value) for name, _, value, _ in rows] == [
+        ("vllm:spec_decode_num_drafts", 0),
+        ("vllm:spec_decode_num_draft_tokens", 0),
+        ("vllm:spec_decode_num_accepted_tokens", 0),
+        ("minivllm:spec_decode_acceptance_rate", 0.0),
+        ("minivllm:spec_decode_mean_accepted_length", 0.0),
+    ]
+
+
+def metrics_engine(last_step_prefix_cache: tuple[int, int], speculative: bool) -> LLMEngine:
+    """An LLMEngine without a model, as get_metrics reads it: two requests running and one
+    waiting, 3 preemptions, 40 tokens generated from 70 prompt tokens, 16 of 64 prompt tokens
+    found cached, a pool of 10 blocks of 1024 bytes (6 written, a quarter in use), and with
+    speculative decoding 1 of 2 draft tokens accepted."""
+    engine = LLMEngine.__new__(LLMEngine)
+    engine.config = SimpleNamespace(speculative_config={"method": "ngram"} if speculative else None)
+    engine.scheduler = SimpleNamespace(
+        running=["a", "b"],
+        waiting=["c"],
+        num_preemptions=3,
+        num_generated_tokens=40,
+        prefix_cache_stats=PrefixCacheStats(queries=64, hits=16),
+        spec_decode_stats=SpecDecodeStats(1, 2, 1, [1, 0]),
+    )
+    engine.kv_cache_manager = SimpleNamespace(
+        usage=0.25, num_blocks=10, pool=SimpleNamespace(num_blocks_touched=6)
+    )
+    engine.kv_cache_bytes_per_block = 1024
+    engine.num_prompt_tokens = 70
+    engine.last_step_prefix_cache = last_step_prefix_cache
+    return engine
+
+
+ENGINE_METRICS = [
+    Metric("vllm:kv_cache_usage_perc", "gauge", 0.25, "Share of KV blocks held by live requests"),
+    Metric("minivllm:kv_cache_bytes", "gauge", 10240, "Bytes of the KV pool"),
+    Metric(
+        "minivllm:kv_cache_touched_bytes",
+        "gauge",
+        6144,
+        "Bytes of the KV blocks written at least once (on a CPU, the part of the pool that is "
+        "resident: its pages are allocated when first written)",
+    ),
+    Metric("vllm:num_requests_running", "gauge", 2, "Requests running"),
+    Metric("vllm:num_requests_waiting", "gauge", 1, "Requests waiting"),
+    Metric("vllm:num_preemptions", "counter", 3, "Preemptions so far"),
+    Metric("vllm:prompt_tokens", "counter", 70, "Prompt tokens processed"),
+    Metric("vllm:generation_tokens", "counter", 40, "Generated tokens"),
+    Metric("vllm:prefix_cache_queries", "counter", 64, "Prompt tokens looked up"),
+    Metric("vllm:prefix_cache_hits", "counter", 16, "Prompt tokens found cached"),
+    Metric("minivllm:prefix_cache_hit_rate", "gauge", 0.25, "hits / queries, so far"),
+]
+LAST_STEP_HIT_RATE = (
+    "minivllm:prefix_cache_hit_rate_last_step",
+    "gauge",
+    "hits / queries of the requests admitted in the last step",
+)
+
+
+def test_engine_metrics_are_named_and_described_as_vllm_does():
+    """Every metric of an engine without speculative decoding, to the last word: the last
+    step looked up 8 prompt tokens and found 6 cached, a hit rate of 0.75."""
+    name, kind, description = LAST_STEP_HIT_RATE
+    assert metrics_engine((8, 6), speculative=False).get_metrics() == [
+        *ENGINE_METRICS,
+        Metric(name, kind, 0.75, description),
+    ]
+
+
+def test_the_last_steps_hit_rate_is_zero_without_lookups_and_drafts_add_their_metrics():
+    """A last step that admitted nobody has a hit rate of 0.0; with speculative decoding the
+    spec-decode metrics follow the engine's own."""
+    name, kind, description = LAST_STEP_HIT_RATE
+    metrics = metrics_engine((0, 0), speculative=True).get_metrics()
+    assert metrics[: len(ENGINE_METRICS) + 1] == [
+        *ENGINE_METRICS,
+        Metric(name, kind, 0.0, description),
+    ]
+    assert metrics[len(ENGINE_METRICS) + 1 :] == [
+        Metric(*row) for row in spec_decode_metric_rows(SpecDecodeStats(1, 2, 1, [1, 0]))
+    ]
+
+
+@dataclass
+class StandInSequence:
+    name: str
+    is_finished: bool = False
+
+
+@dataclass
+class RecordingScheduler:
+    """The scheduler calls LLMEngine makes here: an abort finishes the sequence."""
+
+    waiting: list = field(default_factory=list)
+    running: list = field(default_factory=list)
+    aborted: list = field(default_factory=list)
+
+    def abort_request(self, sequence: StandInSequence) -> None:
+        self.aborted.append(sequence.name)
+        sequence.is_finished = True
+
+
+def engine_with(requests: dict, scheduler: RecordingScheduler) -> LLMEngine:
+    """An LLMEngine without a model: the methods tested here read only its requests and its
+    scheduler."""
+    engine = LLMEngine.__new__(LLMEngine)
+    engine.requests, engine.scheduler = requests, scheduler
+    return engine
+
+
+def test_aborting_one_sequence_keeps_its_siblings_running():
+    """Sequence 1 of a two-sequence request is aborted; the request stays (sequence 0 goes
+    on). Aborting a finished sequence again, an index past the last one (2, and 5) or an
+    unknown request does nothing."""
+    first, second = StandInSequence("r#0"), StandInSequence("r#1")
+    scheduler = RecordingScheduler()
+    engine = engine_with({"r": [first, second]}, scheduler)
+    engine.abort_sequences([("r", 1)])
+    assert scheduler.aborted == ["r#1"] and engine.requests == {"r": [first, second]}
+    engine.abort_sequences([("r", 1), ("r", 2), ("r", 5), ("unknown", 0)])
+    assert scheduler.aborted == ["r#1"] and not first.is_finished
+    assert engine.requests == {"r": [first, second]}
+
+
+def test_aborting_the_last_running_sequence_forgets_the_request():
+    """Sequence 0 already finished (its own stop rule); aborting sequence 1 ends the request,
+    which is forgotten. Another request's sequences are untouched."""
+    done, running = StandInSequence("r#0", is_finished=True), StandInSequence("r#1")
+    other = StandInSequence("s#0")
+    scheduler = RecordingScheduler()
+    engine = engine_with({"r": [done, running], "s": [other]}, scheduler)
+    engine.abort_sequences([("r", 1)])
+    assert scheduler.aborted == ["r#1"]
+    assert engine.requests == {"s": [other]}
+
+
+def test_unfinished_requests_are_the_waiting_and_the_running_ones():
+    scheduler = RecordingScheduler(waiting=["a", "b"], running=["c", "d", "e"])
+    assert engine_with({}, scheduler).get_num_unfinished_requests() == 5
+
+
+# --- the front end's cumulative logprob after a stop string ----------------------------------
+
+
+def test_a_stop_string_recomputes_the_cumulative_logprob_of_the_kept_tokens():
+    """The core's -7.0 counts three tokens; a stop string kept two: the previous -1.0 plus
+    their -2.0 and -0.5, added in order. The third token's logprob is not counted."""
+    sequence = SequenceState(detokenizer=None, cumulative_logprob=-1.0)
+    new = CompletionOutput(0, "", [4, 5, 6], -7.0, None)
+    logprobs = [{4: Logprob(-2.0, 1), 9: Logprob(-0.1, 2)}, {5: Logprob(-0.5, 1)}]
+    assert cumulative_logprob_after(sequence, [4, 5], logprobs, new) == -3.5
+    assert sequence.cumulative_logprob == -1.0  # read, not changed
+
+
+def test_the_cores_cumulative_logprob_stands_when_every_token_is_kept_or_none_are_scored():
+    """All three tokens kept: the core's value as it is (even with logprobs). Without
+    logprobs (None) there is nothing to add up: the core's value, even if tokens were cut."""
+    sequence = SequenceState(detokenizer=None, cumulative_logprob=-1.0)
+    new = CompletionOutput(0, "", [4, 5, 6], -7.0, None)
+    scored = [{4: Logprob(-2.0)}, {5: Logprob(-0.5)}, {6: Logprob(-3.0)}]
+    assert cumulative_logprob_after(sequence, [4, 5, 6], scored, new) == -7.0
+    assert cumulative_logprob_after(sequence, [4], None, new) == -7.0
+
+
+# --- deltas: what a step added ------------------------------------------------------------------
+
+
+def cumulative(tokens: list[list[int]], finished=False, **fields) -> RequestOutput:
+    """A cumulative output of request "r" as LLMEngine.step makes it: text and logprobs for
+    every token so far (token t scores -t), prompt and prompt token ids repeated."""
+    completions = [
+        CompletionOutput(
+            i,
+            "text so far",
+            list(ids),
+            cumulative_logprob=-float(sum(ids)),
+            logprobs=[{t: Logprob(-float(t))} for t in ids],
+            finish_reason="length" if finished else None,
+        )
+        for i, ids in enumerate(tokens)
+    ]
+    return RequestOutput("r", "the prompt", [1, 2], completions, finished, **fields)
+
+
+def test_a_delta_holds_only_the_new_tokens_and_their_logprobs():
+    """Two steps of a request with two completions: the first delta has every token so far,
+    the second only what came after; no text, no prompt (the front end has both), the other
+    fields (cumulative logprob, num_cached_tokens) as they are now."""
+    deltas = OutputDeltas()
+    deltas.add("r")
+    (first,) = deltas.split([cumulative([[5, 6], [7]], num_cached_tokens=4)])
+    assert [c.token_ids for c in first.outputs] == [[5, 6], [7]]
+    (second,) = deltas.split([cumulative([[5, 6, 8], [7, 9, 3]], num_cached_tokens=4)])
+    assert [c.token_ids for c in second.outputs] == [[8], [9, 3]]
+    assert [c.logprobs for c in second.outputs] == [
+        [{8: Logprob(-8.0)}],
+        [{9: Logprob(-9.0)}, {3: Logprob(-3.0)}],
+    ]
+    assert [c.text for c in second.outputs] == ["", ""]
+    assert [c.cumulative_logprob for c in second.outputs] == [-19.0, -19.0]
+    assert [c.index for c in second.outputs] == [0, 1]
+    assert (second.request_id, second.prompt, second.prompt_token_ids) == ("r", None, [])
+    assert (second.finished, second.num_cached_tokens, second.prompt_logprobs) == (False, 4, None)
+    assert deltas.progress["r"].tokens_sent == [3, 3]
+
+
+def test_a_completion_without_logprobs_has_a_delta_without_logprobs():
+    deltas = OutputDeltas()
+    deltas.add("r")
+    output = RequestOutput("r", None, [1], [CompletionOutput(0, "", [5, 6])], False)
+    (delta,) = deltas.split([output])
+    assert (delta.outputs[0].token_ids, delta.outputs[0].logprobs) == ([5, 6], None)
+
+
+def test_prompt_logprobs_travel_with_the_first_delta_only():
+    prompt_logprobs = [None, {2: Logprob(-0.5, 1)}]
+    deltas = OutputDeltas()
+    deltas.add("r")
+    (first,) = deltas.split([cumulative([[5]], prompt_logprobs=prompt_logprobs)])
+    (second,) = deltas.split([cumulative([[5, 6]], prompt_logprobs=prompt_logprobs)])
+    assert first.prompt_logprobs == prompt_logprobs and second.prompt_logprobs is None
+    assert deltas.progress["r"].prompt_logprobs_sent
+
+
+def test_a_request_with_prompt_logprobs_still_to_come_sends_none_until_then():
+    """The prompt's logprobs arrive with a later step (a chunked prefill): nothing is sent
+    until they are there, then they are sent once."""
+    deltas = OutputDeltas()
+    deltas.add("r")
+    (early,) = deltas.split([cumulative([[5]])])
+    assert early.prompt_logprobs is None and not deltas.progress["r"].prompt_logprobs_sent
+    (late,) = deltas.split([cumulative([[5, 6]], prompt_logprobs=[None])])
+    assert late.prompt_logprobs == [None]
+
+
+def test_split_leaves_out_unknown_requests_and_forgets_finished_ones():
+    """An output of a request the core forgot (aborted meanwhile) is left out, the ones after
+    it are not; a finished request's progress is dropped."""
+    deltas = OutputDeltas()
+    deltas.add("r")
+    deltas.add("s")
+    unknown = RequestOutput("gone", None, [], [CompletionOutput(0, "", [1])], False)
+    still = RequestOutput("s", None, [], [CompletionOutput(0, "", [3])], False)
+    split = deltas.split([unknown, cumulative([[5]], finished=True), still])
+    assert [d.request_id for d in split] == ["r", "s"]
+    assert [d.finished for d in split] == [True, False]
+    assert list(deltas.progress) == ["s"]
+
+
+def test_forget_drops_the_given_requests_and_ignores_unknown_ones():
+    deltas = OutputDeltas()
+    for request_id in ("a", "b", "c"):
+        deltas.add(request_id)
+    deltas.forget(["a", "never-added", "c"])
+    assert list(deltas.progress) == ["b"]
+
+
+# --- data parallelism: metrics, errors, aborts --------------------------------------------------
+
+
+def test_replica_metrics_are_summed_or_averaged_by_kind():
+    """Counters and the four summed gauges (requests running and waiting, the KV pool's bytes
+    and touched bytes) add up over the replicas; other gauges are averaged. Each metric keeps
+    the first replica's kind and description, in the first replica's order."""
+    summed_gauges = [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "minivllm:kv_cache_bytes",
+        "minivllm:kv_cache_touched_bytes",
+    ]
+
+    def replica(scale: int, description: str) -> list[Metric]:
+        return [
+            Metric("vllm:prompt_tokens", "counter", 10 * scale, description),
+            *(Metric(name, "gauge", 2 * scale, description) for name in summed_gauges),
+            Metric("vllm:kv_cache_usage_perc", "gauge", 0.25 * scale, description),
+        ]
+
+    combined = aggregate_metrics([replica(1, "first"), replica(3, "second")])
+    assert combined == [
+        Metric("vllm:prompt_tokens", "counter", 40, "first"),
+        *(Metric(name, "gauge", 8, "first") for name in summed_gauges),
+        Metric("vllm:kv_cache_usage_perc", "gauge", 0.5, "first"),
+    ]
+
+
+def test_a_metric_only_one_replica_reports_is_its_own_value():
+    """Only the second replica reports a gauge: its value, averaged over the one replica."""
+    combined = aggregate_metrics(
+        [
+            [Metric("vllm:num_preemptions", "counter", 1, "d")],
+            [Metric("vllm:num_preemptions", "counter", 2, "d"), Metric("g", "gauge", 0.5, "d")],
+        ]
+    )
+    assert combined == [
+        Metric("vllm:num_preemptions", "counter", 3, "d"),
+        Metric("g", "gauge", 0.5, "d"),
+    ]
+
+
+def test_a_picklable_error_crosses_as_itself():
+    error = ValueError("bad prompt")
+    assert picklable_error(error) is error
+
+
+class UnpicklableError(Exception):
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.lock = threading.Lock()  # pickle refuses a lock
+
+
+def test_an_unpicklable_error_crosses_as_a_runtime_error_with_its_text():
+    converted = picklable_error(UnpicklableError("holds a lock"))
+    assert type(converted) is RuntimeError
+    assert str(converted) == "UnpicklableError: holds a lock"
+
+
+@dataclass
+class StandInPipe:
+    """A pipe's sending end: records what is sent; a closed one raises BrokenPipeError."""
+
+    closed: bool = False
+    sent: list = field(default_factory=list)
+
+    def send(self, message) -> None:
+        if self.closed:
+            raise BrokenPipeError("the replica is gone")
+        self.sent.append(message)
+
+
+def data_parallel_engine(num_replicas: int) -> DataParallelEngine:
+    """A DataParallelEngine without processes: its replicas are pipes that record."""
+    engine = DataParallelEngine.__new__(DataParallelEngine)
+    engine.replicas = [Replica(index=i, conn=StandInPipe()) for i in range(num_replicas)]
+    engine.request_replica = {}
+    return engine
+
+
+def test_data_parallel_aborts_of_sequences_go_to_their_replicas_once_each():
+    """Sequences of requests on replicas 0 and 1: each replica gets one call with its own
+    sequences, in order; a request no replica has is ignored; the router keeps the requests
+    (their other sequences go on)."""
+    engine = data_parallel_engine(3)
+    first, second, third = engine.replicas
+    engine.request_replica = {"a": first, "b": second, "c": first}
+    engine.abort_sequences([("a", 1), ("b", 0), ("unknown", 0), ("c", 2)])
+    assert first.conn.sent == [EngineCall("abort_sequences", ([("a", 1), ("c", 2)],))]
+    assert second.conn.sent == [EngineCall("abort_sequences", ([("b", 0)],))]
+    assert third.conn.sent == []
+    assert engine.request_replica == {"a": first, "b": second, "c": first}
+
+
+def test_data_parallel_aborts_of_requests_forget_them_and_survive_a_dead_replica():
+    """abort_request: each replica gets its requests' ids; the router forgets them. A replica
+    whose pipe is closed (it died) is skipped without an error; the others still hear. A
+    single id may be given as a string."""
+    engine = data_parallel_engine(2)
+    first, second = engine.replicas
+    first.conn.closed = True
+    engine.request_replica = {"a": first, "b": second, "c": second}
+    engine.abort_request(["a", "b", "c", "unknown"])
+    assert second.conn.sent == [EngineCall("abort_request", (["b", "c"],))]
+    assert engine.request_replica == {}
+    engine.request_replica = {"late": second}
+    engine.abort_request("late")  # one id, not a list: not read as the list of its letters
+    assert second.conn.sent[-1] == EngineCall("abort_request", (["late"],))
+
+
+# --- the engine core: messages in, reports out --------------------------------------------------
+
+
+class StandInEngine:
+    """The calls the engine core makes on an engine, recorded in `calls` (name and arguments).
+    Each request runs `steps` steps and has a token from step `first_output` on (before, a
+    chunked prefill: no output); its cumulative outputs are tokens 10, 11, ... Requests in
+    `refuse` are refused by add_request. Its scheduler holds one waiting and two running
+    requests, for the load a report carries."""
+
+    def __init__(self, steps: int = 2, first_output: int = 1, refuse: tuple = ()) -> None:
+        self.steps, self.first_output, self.refuse = steps, first_output, refuse
+        self.progress: dict[str, int] = {}
+        self.calls: list[tuple] = []
+        self.fail_step = False
+        self.scheduler = SimpleNamespace(waiting=["w"], running=["r1", "r2"])
+        self.name = "stand-in"
+
+    def add_request(self, request_id, prompt, params, priority=0) -> None:
+        self.calls.append(("add_request", request_id, prompt, params, priority))
+        if request_id in self.refuse:
+            raise ValueError(f"{request_id} does not fit")
+        self.progress[request_id] = 0
+
+    def abort_request(self, request_ids) -> None:
+        self.calls.append(("abort_request", request_ids))
+        for request_id in request_ids:
+            self.progress.pop(request_id, None)
+
+    def abort_sequences(self, sequences) -> None:
+        self.calls.append(("abort_sequences", sequences))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.progress) or self.fail_step
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.progress) + 4  # distinct from any count a test makes by mistake
+
+    def step(self) -> list[RequestOutput]:
+        self.calls.append(("step",))
+        if self.fail_step:
+            raise RuntimeError("the step failed")
+        outputs = []
+        for request_id in list(self.progress):
+            count = self.progress[request_id] = self.progress[request_id] + 1
+            finished = count == self.steps
+            if finished:
+                del self.progress[request_id]
+            if count >= self.first_output:
+                completion = CompletionOutput(
+                    0, "", list(range(10, 10 + count)), finish_reason="length" if finished else None
+                )
+                outputs.append(RequestOutput(request_id, None, [1], [completion], finished))
+        return outputs
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown",))
+
+
+def test_the_core_hands_each_message_to_the_engine():
+    """AddRequest -> engine.add_request with every field (the priority as a keyword);
+    AbortRequests -> engine.abort_request with the ids; AbortSequences ->
+    engine.abort_sequences with the pairs. The core counts the sequences it received."""
+    engine = StandInEngine()
+    core = EngineCore(engine)
+    assert (core.num_received, core.errors, core.deltas.progress) == (0, {}, {})
+    two = SamplingParams(n=2, max_tokens=1)
+    core.handle(AddRequest("a", PROMPT, two, priority=3))
+    core.handle(AddRequest("b", PROMPT, ONE))
+    core.handle(AbortSequences([("a", 1)]))
+    core.handle(AbortRequests(["b"]))
+    assert engine.calls == [
+        ("add_request", "a", PROMPT, two, 3),
+        ("add_request", "b", PROMPT, ONE, 0),
+        ("abort_sequences", [("a", 1)]),
+        ("abort_request", ["b"]),
+    ]
+    assert core.num_received == 3  # two sequences of a, one of b
+    assert list(core.deltas.progress) == ["a"]  # b was aborted
+
+
+def test_a_refused_request_is_reported_with_its_error_once():
+    """add_request refuses "bad": the core keeps the engine's error (the exception itself,
+    picklable) for the next report, counts its sequence, and does not follow it; the report
+    after that has no errors. The core has work while an error waits to be sent."""
+    engine = StandInEngine(refuse=("bad",))
+    core = EngineCore(engine)
+    core.add_request(AddRequest("bad", PROMPT, ONE))
+    assert core.num_received == 1 and core.deltas.progress == {}
+    assert core.has_work() and not engine.has_unfinished_requests()
+    report = core.step()
+    (error,) = report.errors.values()
+    assert list(report.errors) == ["bad"] and report.outputs == []
+    assert type(error) is ValueError and str(error) == "bad does not fit"
+    assert not core.has_work() and core.step().errors == {}
+
+
+def test_an_abort_drops_the_requests_progress_and_its_waiting_error():
+    """Aborting a refused request drops its error (nobody waits for it); aborting a running
+    one tells the engine and forgets its progress; ids the core never saw are harmless."""
+    engine = StandInEngine(refuse=("bad",))
+    core = EngineCore(engine)
+    core.add_request(AddRequest("bad", PROMPT, ONE))
+    core.add_request(AddRequest("good", PROMPT, ONE))
+    core.add_request(AddRequest("other", PROMPT, ONE))
+    core.abort_requests(["bad", "good", "never-seen"])
+    assert engine.calls[-1] == ("abort_request", ["bad", "good", "never-seen"])
+    assert core.errors == {} and list(core.deltas.progress) == ["other"]
+
+
+def test_the_core_has_work_while_the_engine_has_unfinished_requests():
+    engine = StandInEngine()
+    core = EngineCore(engine)
+    assert not core.has_work()
+    core.add_request(AddRequest("a", PROMPT, ONE))
+    assert core.has_work()
+
+
+def test_a_step_reports_the_engines_outputs_as_deltas_with_its_time():
+    """Two steps of a request: each report holds the step's delta (the new token only), no
+    errors, and the time the step ended (time.monotonic)."""
+    engine = StandInEngine(steps=2)
+    core = EngineCore(engine)
+    core.add_request(AddRequest("a", PROMPT, ONE))
+    before = time.monotonic()
+    first = core.step()
+    second = core.step()
+    assert [o.outputs[0].token_ids for o in first.outputs] == [[10]]
+    assert [o.outputs[0].token_ids for o in second.outputs] == [[11]]
+    assert (first.errors, second.errors) == ({}, {})
+    assert before <= first.timestamp <= second.timestamp <= time.monotonic()
+    assert [call[0] for call in engine.calls] == ["add_request", "step", "step"]
+
+
+def test_without_unfinished_requests_the_core_does_not_step_the_engine():
+    engine = StandInEngine()
+    report = EngineCore(engine).step()
+    assert (report.outputs, report.errors) == ([], {}) and engine.calls == []
+
+
+class StandInSocket:
+    """The ZMQ socket calls the engine core and its clients make. Incoming messages come in
+    batches: a blocking receive waits for the next batch (here: it arrives at once), a
+    NOBLOCK one takes a message that already arrived or raises zmq.Again; a loop that polls
+    an empty socket over and over (instead of blocking) is stopped with an AssertionError, and
+    so is a blocking receive with nothing left to arrive (it would wait for ever). Sends are
+    recorded (message, flags); the first `full` sends raise zmq.Again, as on a full queue.
+    `on_send(message)` runs after each send."""
+
+    def __init__(self, *batches, arrived=(), full: int = 0) -> None:
+        self.batches = deque(list(batch) for batch in batches)
+        self.arrived = deque(arrived)
+        self.receives: list[str] = []  # "block" or "noblock", in order
+        self.empty_polls = 0
+        self.sent: list[tuple] = []
+        self.polls: list[tuple] = []
+        self.full = full
+        self.on_send = None
+
+    def recv_pyobj(self, flags=0):
+        if flags == zmq.NOBLOCK:
+            self.receives.append("noblock")
+            if self.arrived:
+                return self.arrived.popleft()
+            self.empty_polls += 1
+            assert self.empty_polls < 100, "polls an empty socket instead of waiting"
+            raise zmq.Again()
+        self.receives.append("block")
+        self.empty_polls = 0
+        if not self.arrived:
+            assert self.batches, "a blocking receive with nothing left to arrive"
+            self.arrived.extend(self.batches.popleft())
+        return self.arrived.popleft()
+
+    def send_pyobj(self, message, flags=0) -> None:
+        if self.full:
+            self.full -= 1
+            raise zmq.Again()
+        self.sent.append((message, flags))
+        if self.on_send is not None:
+            self.on_send(message)
+
+    def poll(self, timeout=None, flags=zmq.POLLIN) -> int:
+        self.polls.append((timeout, flags))
+        return 0
+
+    def sent_messages(self) -> list:
+        return [message for message, _ in self.sent]
+
+
+def test_receive_waits_only_when_told_and_takes_everything_that_arrived():
+    """Not blocking with nothing there: an empty list at once. Blocking: the first message
+    that arrives, then every message already there, without waiting again."""
+    socket = StandInSocket(["a", "b"], ["c"])
+    core = EngineCoreProc(StandInEngine(), socket, StandInSocket())
+    assert core.receive(block=False) == []
+    assert core.receive(block=True) == ["a", "b"]
+    assert socket.receives == ["noblock", "block", "noblock", "noblock"]
+    assert list(socket.batches) == [["c"]]  # not waited for
+
+
+def test_receive_without_blocking_takes_what_already_arrived():
+    socket = StandInSocket(arrived=["a", "b"])
+    core = EngineCoreProc(StandInEngine(), socket, StandInSocket())
+    assert core.receive(block=False) == ["a", "b"]
+    assert socket.receives == ["noblock", "noblock", "noblock"]
+
+
+def engine_and_args(engine, *args):
+    """A function the tests send to the core (pickled by name): what it was given."""
+    return engine.name, args
+
+
+def returns_a_lock(engine):
+    return threading.Lock()
+
+
+def raises_an_unpicklable_error(engine):
+    raise UnpicklableError("cannot travel")
+
+
+def test_a_function_call_runs_with_the_engine_and_its_arguments():
+    core = EngineCoreProc(StandInEngine(), StandInSocket(), StandInSocket())
+    result = core.call(FunctionCall(pickle.dumps(engine_and_args), (1, "x")))
+    assert result == CallResult(("stand-in", (1, "x")))
+
+
+def test_an_engine_call_calls_the_named_method_with_its_arguments():
+    engine = StandInEngine()
+    core = EngineCoreProc(engine, StandInSocket(), StandInSocket())
+    assert core.call(EngineCall("get_num_unfinished_requests")) == CallResult(4)
+    assert core.call(EngineCall("abort_request", (["a"],))) == CallResult(None)
+    assert engine.calls == [("abort_request", ["a"])]
+
+
+def test_a_failing_call_returns_its_error_and_the_core_lives_on():
+    """A method that does not exist, a result that cannot be pickled (it could not travel
+    back) and an exception that cannot be pickled: each call's CallResult holds the error
+    (the last one as a RuntimeError with its text), no value."""
+    core = EngineCoreProc(StandInEngine(), StandInSocket(), StandInSocket())
+    missing = core.call(EngineCall("no_such_method"))
+    assert missing.value is None and type(missing.error) is AttributeError
+    assert "no_such_method" in str(missing.error)
+    lock = core.call(FunctionCall(pickle.dumps(returns_a_lock)))
+    assert lock.value is None and type(lock.error) is TypeError and "lock" in str(lock.error)
+    unpicklable = core.call(FunctionCall(pickle.dumps(raises_an_unpicklable_error)))
+    assert type(unpicklable.error) is RuntimeError
+    assert str(unpicklable.error) == "UnpicklableError: cannot travel"
+
+
+def test_apply_answers_function_calls_and_engine_calls_that_ask_for_a_reply():
+    """A request goes to the engine and nothing is sent; an EngineCall without reply=True is
+    made but not answered; with reply=True, and a FunctionCall always, the CallResult is
+    sent back."""
+    engine = StandInEngine()
+    outputs = StandInSocket()
+    core = EngineCoreProc(engine, StandInSocket(), outputs)
+    core.apply(AddRequest("a", PROMPT, ONE))
+    core.apply(EngineCall("abort_request", (["x"],)))
+    assert outputs.sent == []
+    core.apply(EngineCall("get_num_unfinished_requests", reply=True))
+    core.apply(FunctionCall(pickle.dumps(engine_and_args), (7,)))
+    assert outputs.sent_messages() == [CallResult(5), CallResult(("stand-in", (7,)))]
+    assert engine.calls == [("add_request", "a", PROMPT, ONE, 0), ("abort_request", ["x"])]
+
+
+def test_the_busy_loop_steps_while_there_is_work_and_waits_when_idle():
+    """Batch 1 (a request, and one the engine refuses) arrives while the core is idle. The
+    first step has no output yet (a chunked prefill) but the refusal's error: reported; the
+    second and third bring a's tokens 10, 11 and 12 as deltas. Each report carries the
+    scheduler's load and the sequences received. Idle again, the core waits for batch 2: a
+    call answered, one not answered. Then Shutdown ends the loop; what came after it in the
+    same batch is never applied."""
+    engine = StandInEngine(steps=3, first_output=2, refuse=("bad",))
+    inputs = StandInSocket(
+        [AddRequest("a", PROMPT, ONE), AddRequest("bad", PROMPT, ONE)],
+        [
+            EngineCall("get_num_unfinished_requests", reply=True),
+            EngineCall("abort_request", (["gone"],)),
+        ],
+        [Shutdown(), AddRequest("late", PROMPT, ONE)],
+    )
+    outputs = StandInSocket()
+    EngineCoreProc(engine, inputs, outputs).run_busy_loop()
+    sent = outputs.sent_messages()
+    reports, answers = sent[:3], sent[3:]
+    assert all(isinstance(report, EngineCoreOutputs) for report in reports)
+    assert [list(report.errors) for report in reports] == [["bad"], [], []]
+    assert [[o.outputs[0].token_ids for o in r.outputs] for r in reports] == [
+        [],
+        [[10, 11]],
+        [[12]],
+    ]
+    assert [(r.num_waiting, r.num_running, r.num_received) for r in reports] == [(1, 2, 2)] * 3
+    assert answers == [CallResult(4)]
+    assert engine.calls[-1] == ("abort_request", ["gone"])
+    assert "late" not in [call[1] for call in engine.calls if call[0] == "add_request"]
+    # Idle: wait for a batch and take all of it (until zmq.Again); busy: only look.
+    assert inputs.receives == [
+        "block", "noblock", "noblock",  # batch 1
+        "noblock", "noblock",  # before steps 2 and 3
+        "block", "noblock", "noblock",  # batch 2
+        "block", "noblock", "noblock",  # batch 3
+    ]  # fmt: skip
+
+
+def test_a_step_with_nothing_to_tell_sends_nothing():
+    """A request whose first step yields no token (a chunked prefill) and no error: only the
+    second step, with the token, is reported."""
+    engine = StandInEngine(steps=2, first_output=2)
+    inputs = StandInSocket([AddRequest("a", PROMPT, ONE)], [Shutdown()])
+    outputs = StandInSocket()
+    EngineCoreProc(engine, inputs, outputs).run_busy_loop()
+    (report,) = outputs.sent_messages()
+    assert [o.outputs[0].token_ids for o in report.outputs] == [[10, 11]]
+    assert [call[0] for call in engine.calls] == ["add_request", "step", "step"]
+
+
+# --- the in-process client: the core in a thread ------------------------------------------------
+
+
+def shut_down(client) -> None:
+    """client.shutdown() in a thread of its own, so that a shutdown that hangs fails the test
+    instead of hanging it."""
+    closer = threading.Thread(target=client.shutdown, daemon=True)
+    closer.start()
+    closer.join(HANG_GUARD_S)
+    assert not closer.is_alive(), "shutdown hangs"
+
+
+def test_a_client_shut_down_before_it_started_shuts_its_engine_down():
+    engine = StandInEngine()
+    shut_down(InprocClient(engine))
+    assert engine.calls == [("shutdown",)]
+
+
+def test_the_engine_thread_hands_messages_to_the_core_and_reports_each_step():
+    """The thread (a daemon named minivllm-engine) wakes for each message: an abort that
+    leaves nothing to do sends nothing; a request's two steps are two reports, its token
+    deltas; a refused request is a report with its error; an abort of sequences reaches the
+    engine as it was sent."""
+    engine = StandInEngine(steps=2, refuse=("bad",))
+    client = InprocClient(engine)
+    reports, failures = [], []
+    client.start(reports.append, failures.append)
+    try:
+        assert (client._thread.name, client._thread.daemon) == ("minivllm-engine", True)
+        client.abort_requests(["nobody"])
+        wait_for(lambda: ("abort_request", ["nobody"]) in engine.calls, "the abort", failures)
+        client.add_request(AddRequest("a", PROMPT, ONE))
+        wait_for(lambda: len(reports) == 2, "a's two reports", failures)
+        client.add_request(AddRequest("bad", PROMPT, ONE))
+        wait_for(lambda: len(reports) == 3, "the refusal's report", failures)
+        client.abort_sequences([("a", 1)])
+        wait_for(lambda: ("abort_sequences", [("a", 1)]) in engine.calls, "the abort", failures)
+    finally:
+        shut_down(client)
+    assert failures == []
+    assert all(isinstance(report, EngineCoreOutputs) for report in reports)
+    assert [[o.outputs[0].token_ids for o in r.outputs] for r in reports] == [[[10]], [[11]], []]
+    assert [list(report.errors) for report in reports] == [[], [], ["bad"]]
+    assert [call[0] for call in engine.calls] == [
+        "abort_request",
+        "add_request",
+        "step",
+        "step",
+        "add_request",
+        "abort_sequences",
+        "shutdown",
+    ]
+
+
+def test_a_failed_step_is_handed_to_on_failure_and_ends_the_thread():
+    engine = StandInEngine()
+    engine.fail_step = True
+    client = InprocClient(engine)
+    reports, failures = [], []
+    client.start(reports.append, failures.append)
+    try:
+        client._thread.join(HANG_GUARD_S)
+        assert not client._thread.is_alive()
+    finally:
+        shut_down(client)
+    (failure,) = failures
+    assert type(failure) is RuntimeError and str(failure) == "the step failed"
+    assert reports == []
+
+
+def test_shutdown_waits_for_the_thread_before_shutting_the_engine_down():
+    """Shutdown while the thread is still handing over a report: the engine is shut down
+    only once the thread has ended."""
+    engine = StandInEngine(steps=1)
+    client = InprocClient(engine)
+    handing_over, alive_at_shutdown = threading.Event(), []
+
+    def slow_delivery(report) -> None:
+        handing_over.set()
+        time.sleep(0.2)
+
+    engine.shutdown = lambda: alive_at_shutdown.append(client._thread.is_alive())
+    client.start(slow_delivery, lambda error: None)
+    client.add_request(AddRequest("a", PROMPT, ONE))
+    assert handing_over.wait(HANG_GUARD_S)
+    shut_down(client)
+    assert alive_at_shutdown == [False]
+
+
+def test_call_engine_runs_the_function_with_the_engine_and_its_arguments():
+    client = InprocClient(StandInEngine())
+    assert client.call_engine(engine_and_args, 1, "x") == ("stand-in", (1, "x"))
+
+
+class MetricsEngine(StandInEngine):
+    """An engine that reports metrics (one KV-cache usage gauge)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics = [Metric("vllm:kv_cache_usage_perc", "gauge", 0.5, "usage")]
+
+    def get_metrics(self) -> list[Metric]:
+        return self.metrics
+
+
+class ReplicatedEngine(MetricsEngine):
+    """chapter 07's DataParallelEngine, as far as metrics go: two replicas' own."""
+
+    def get_replica_metrics(self) -> list[list[Metric]]:
+        return [
+            [Metric("vllm:num_requests_running", "gauge", 1, "running")],
+            [Metric("vllm:num_requests_running", "gauge", 3, "running")],
+        ]
+
+
+def test_one_engines_metrics_are_the_clients_metrics_as_they_are():
+    engine = MetricsEngine()
+    client = InprocClient(engine)
+    assert client.get_replica_metrics() == [engine.metrics]
+    assert client.get_metrics() is engine.metrics
+
+
+def test_a_data_parallel_engines_replica_metrics_are_combined():
+    client = InprocClient(ReplicatedEngine())
+    assert client.get_replica_metrics() == ReplicatedEngine().get_replica_metrics()
+    assert client.get_metrics() == [Metric("vllm:num_requests_running", "gauge", 4, "running")]
+
+
+# --- the multiprocess client, without its processes ---------------------------------------------
+
+
+@dataclass
+class StandInProcess:
+    alive: bool = True
+    pid: int = 4242
+    exitcode: int | None = None
+    joins: list = field(default_factory=list)
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def join(self, timeout=None) -> None:
+        self.joins.append(timeout)
+
+
+def mp_client(num_cores: int, affinity: bool = False) -> MPClient:
+    """An MPClient whose cores are stand-ins (sockets and processes that record), in blocks
+    of 4 tokens, with prefix affinity if asked."""
+    client = MPClient.__new__(MPClient)
+    client.state = CoreProcesses(context=None, ipc_dir="unused")
+    client.state.cores = [
+        CoreProcess(
+            index=i, process=StandInProcess(), inputs=StandInSocket(), outputs=StandInSocket()
+        )
+        for i in range(num_cores)
+    ]
+    client.request_core = {}
+    client.block_size = 4
+    client.prefix_affinity = PrefixAffinity(4) if affinity else None
+    return client
+
+
+def test_a_single_core_gets_every_request_and_counts_their_sequences():
+    client = mp_client(1)
+    (core,) = client.cores
+    two = SamplingParams(n=2, max_tokens=1)
+    client.add_request(AddRequest("a", PROMPT, two))
+    client.add_request(AddRequest("b", PROMPT, ONE))
+    assert core.inputs.sent == [
+        (AddRequest("a", PROMPT, two), zmq.NOBLOCK),
+        (AddRequest("b", PROMPT, ONE), zmq.NOBLOCK),
+    ]
+    assert core.num_sent == 3 and client.request_core == {"a": core, "b": core}
+
+
+def test_a_request_goes_to_the_core_that_holds_its_prefix_else_the_least_loaded():
+    """Core 1 received this salted prompt's blocks before: with equal loads, the request goes
+    there. The next prompt is new: it goes to core 0, now the less loaded (core 1 counts a's
+    two sequences as waiting), and core 0 is remembered as its blocks' owner."""
+    client = mp_client(2, affinity=True)
+    first, second = client.cores
+    salted = {"prompt": None, "prompt_token_ids": list(range(1, 10)), "cache_salt": "s"}
+    client.prefix_affinity.remember(hash_blocks(salted["prompt_token_ids"], 4, "s"), 1)
+    two = SamplingParams(n=2, max_tokens=1)
+    client.add_request(AddRequest("a", salted, two))
+    assert second.inputs.sent_messages() == [AddRequest("a", salted, two)]
+    assert first.inputs.sent == [] and (first.num_sent, second.num_sent) == (0, 2)
+    new = {"prompt": None, "prompt_token_ids": [7] * 8}
+    client.add_request(AddRequest("b", new, ONE))
+    assert first.inputs.sent_messages() == [AddRequest("b", new, ONE)]
+    assert client.request_core == {"a": second, "b": first}
+    assert [client.prefix_affinity.owner[h] for h in hash_blocks([7] * 8, 4)] == [0, 0]
+
+
+def test_aborts_go_to_the_cores_that_run_the_requests():
+    """Three cores: each gets one message with its own requests' ids (or sequences), in
+    order; unknown ids are ignored. Aborted requests are forgotten by the router, requests
+    with aborted sequences are not (their other sequences go on). A dead core's aborts are
+    dropped (its requests died with it), the others' still sent."""
+    client = mp_client(3)
+    first, second, third = client.cores
+    client.request_core = {"a": first, "b": second, "c": first, "d": third}
+    client.abort_sequences([("a", 1), ("b", 0), ("unknown", 0), ("c", 2)])
+    assert first.inputs.sent_messages() == [AbortSequences([("a", 1), ("c", 2)])]
+    assert second.inputs.sent_messages() == [AbortSequences([("b", 0)])]
+    assert third.inputs.sent == []
+    assert client.request_core == {"a": first, "b": second, "c": first, "d": third}
+    third.inputs.full, third.process.alive = 1, False
+    client.abort_requests(["c", "unknown", "b", "d", "a"])
+    assert first.inputs.sent_messages()[1:] == [AbortRequests(["c", "a"])]
+    assert second.inputs.sent_messages()[1:] == [AbortRequests(["b"])]
+    assert third.inputs.sent == [] and client.request_core == {}
+
+
+def test_a_send_to_a_full_queue_polls_until_it_fits():
+    client = mp_client(1)
+    (core,) = client.cores
+    core.inputs.full = 2
+    client._send(core, "message")
+    assert core.inputs.sent == [("message", zmq.NOBLOCK)]
+    assert core.inputs.polls == [(100, zmq.POLLOUT), (100, zmq.POLLOUT)]
+
+
+def test_a_send_to_a_dead_core_raises_engine_dead_error_with_its_exit_code():
+    client = mp_client(1)
+    (core,) = client.cores
+    core.inputs.full, core.process.alive, core.process.exitcode = 1, False, -9
+    expected = "the engine core process 0 (pid 4242) died with exit code -9"
+    with pytest.raises(EngineDeadError, match=f"^{re.escape(expected)}$"):
+        client._send(core, "message")
+    assert core.process.joins == [5] and core.inputs.sent == []
+
+
+def answer_calls(client: MPClient, values: list) -> None:
+    """Each core answers every call it is sent with its value, as the output thread would
+    on the core's CallResult."""
+    for core, value in zip(client.cores, values, strict=True):
+        core.inputs.on_send = lambda message, core=core, value=value: core.calls[-1].set_result(
+            value
+        )
+
+
+def test_call_engine_sends_the_function_by_name_and_returns_the_cores_answer():
+    client = mp_client(1)
+    answer_calls(client, ["answer"])
+    assert client.call_engine(engine_and_args, 1, "x") == "answer"
+    assert client.cores[0].inputs.sent == [
+        (FunctionCall(pickle.dumps(engine_and_args), (1, "x")), zmq.NOBLOCK)
+    ]
+
+
+def test_call_engine_refuses_data_parallel_cores():
+    client = mp_client(2)
+    expected = (
+        "call_engine needs a single engine core; with data parallelism use get_replica_metrics()"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        client.call_engine(engine_and_args)
+    assert [core.inputs.sent for core in client.cores] == [[], []]
+
+
+def test_each_core_is_asked_for_its_metrics_and_they_are_combined():
+    client = mp_client(2)
+    running = "vllm:num_requests_running"
+    answer_calls(
+        client, [[Metric(running, "gauge", 1, "running")], [Metric(running, "gauge", 3, "running")]]
+    )
+    assert client.get_replica_metrics() == [
+        [Metric(running, "gauge", 1, "running")],
+        [Metric(running, "gauge", 3, "running")],
+    ]
+    assert client.get_metrics() == [Metric(running, "gauge", 4, "running")]
+    for core in client.cores:
+        assert core.inputs.sent_messages() == [EngineCall("get_metrics", reply=True)] * 2
+        assert core.calls == deque([core.calls[0], core.calls[1]])
+
+
+def test_a_call_to_cores_that_stopped_fails_at_once():
+    """After a failure (the cause of the error raised) or during shutdown, a call raises
+    EngineDeadError and sends nothing: no answer would ever come."""
+    client = mp_client(1)
+    (core,) = client.cores
+
+    def must_not_send(message) -> None:
+        raise AssertionError(f"sent {message} to a core that stopped")
+
+    core.inputs.on_send = must_not_send
+    failure = RuntimeError("the core died")
+    client.state.failure = failure
+    with pytest.raises(EngineDeadError, match="^the engine core is not running$") as raised:
+        client.get_replica_metrics()
+    assert raised.value.__cause__ is failure
+    client.state.failure, client.state.closing = None, True
+    with pytest.raises(EngineDeadError, match="^the engine core is not running$") as raised:
+        client.call_engine(engine_and_args)
+    assert raised.value.__cause__ is None and core.calls == deque()
+
+
+def test_the_output_thread_delivers_reports_and_answers_calls_in_order():
+    """A core's report: handed to on_outputs, its load taken (waiting, running, sequences
+    received), its finished and refused requests forgotten by the router (but not a request
+    of another core). Then two answers: the oldest call gets the first, a value; the next an
+    exception. Reading stops when nothing more has arrived."""
+    client = mp_client(2)
+    other, core = client.cores
+    client.request_core = {"a": core, "b": core, "c": other, "bad": core}
+    first_call, second_call = Future(), Future()
+    core.calls.extend([first_call, second_call])
+
+    def output(request_id: str, finished: bool) -> RequestOutput:
+        return RequestOutput(request_id, None, [], [CompletionOutput(0, "", [1])], finished)
+
+    report = EngineCoreOutputs(
+        [output("a", True), output("b", False), output("c", True)],
+        errors={"bad": ValueError("refused")},
+        num_waiting=3,
+        num_running=2,
+        num_received=7,
+    )
+    core.outputs = StandInSocket(
+        arrived=[report, CallResult(value=42), CallResult(error=KeyError("missing"))]
+    )
+    reports = []
+    client._read_available(core, reports.append)
+    assert len(reports) == 1 and reports[0] is report
+    assert (core.waiting, core.running, core.num_received) == (3, 2, 7)
+    assert client.request_core == {"b": core, "c": other}
+    assert first_call.result(0) == 42
+    assert type(second_call.exception(0)) is KeyError and core.calls == deque()
+    assert core.outputs.receives == ["noblock"] * 4  # three messages, then zmq.Again
+
+
+def test_a_cores_failure_message_ends_the_engine_with_its_error_and_traceback():
+    """The core sent Failed: EngineDeadError names the core and the error, whose cause is the
+    core's own exception, whose cause in turn shows the core's traceback."""
+    client = mp_client(2)
+    core = client.cores[1]
+    error = ValueError("bad weights")
+    core.outputs = StandInSocket(arrived=[Failed(error, "Traceback: in the core")])
+    expected = "the engine core 1 failed: ValueError: bad weights"
+    with pytest.raises(EngineDeadError, match=f"^{re.escape(expected)}$") as raised:
+        client._read_available(core, lambda report: None)
+    assert raised.value.__cause__ is error
+    assert type(error.__cause__) is RemoteTraceback
+    assert error.__cause__.text == "Traceback: in the core"
