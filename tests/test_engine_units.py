@@ -1143,3 +1143,31 @@ def test_a_cores_failure_message_ends_the_engine_with_its_error_and_traceback():
     assert raised.value.__cause__ is error
     assert type(error.__cause__) is RemoteTraceback
     assert error.__cause__.text == "Traceback: in the core"
+
+
+def test_generate_hands_the_requests_priority_to_add_request():
+    """AsyncLLM.generate passes its priority through, 0 when none is given (a lower value runs
+    first under the priority policy, so a changed default would reorder every request)."""
+    import asyncio
+
+    from minivllm.engine.async_llm import AsyncLLM
+
+    class Queued(Exception):
+        pass
+
+    priorities = []
+
+    def add_request(request_id, prompt, params, *, priority):
+        priorities.append(priority)
+        raise Queued  # stop here: nothing runs the engine
+
+    llm = object.__new__(AsyncLLM)  # no engine core: only generate's own lines run
+    llm.add_request = add_request
+
+    async def first_output(**kwargs):
+        with pytest.raises(Queued):
+            await llm.generate("a prompt", None, "r", **kwargs).__anext__()
+
+    asyncio.run(first_output())
+    asyncio.run(first_output(priority=7))
+    assert priorities == [0, 7]
