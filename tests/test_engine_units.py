@@ -49,7 +49,9 @@ from minivllm.engine.data_parallel import (
     PrefixAffinity,
     RemoteTraceback,
     Replica,
+    Reply,
     Shutdown,
+    StepReport,
     aggregate_metrics,
     picklable_error,
 )
@@ -448,6 +450,56 @@ def data_parallel_engine(num_replicas: int) -> DataParallelEngine:
     engine.replicas = [Replica(index=i, conn=StandInPipe()) for i in range(num_replicas)]
     engine.request_replica = {}
     return engine
+
+
+@dataclass
+class StandInDuplex(StandInPipe):
+    """A pipe both ways: records what is sent, hands out what `arrived` holds, in order."""
+
+    arrived: deque = field(default_factory=deque)
+
+    def recv(self):
+        return self.arrived.popleft()
+
+
+def test_data_parallel_call_all_returns_each_replicas_reply_and_keeps_reports_for_the_next_step():
+    """call_all sends the call with its arguments to every replica and returns their replies
+    in replica order; a step report that arrives before a reply updates its replica's load and
+    adds its outputs to the ones already pending, for the next step() to return."""
+    engine = data_parallel_engine(2)
+    first, second = engine.replicas
+    earlier = RequestOutput("e", None, [], [CompletionOutput(0, "", [9])], False)
+    reported = RequestOutput("a", None, [], [CompletionOutput(0, "", [4])], False)
+    engine.request_replica = {"a": first, "e": second}
+    engine.pending = [earlier]
+    first.conn = StandInDuplex(arrived=deque([StepReport([reported], 1, 2, 3), Reply("from 0")]))
+    second.conn = StandInDuplex(arrived=deque([Reply("from 1")]))
+    assert engine.call_all("method", "argument") == ["from 0", "from 1"]
+    call = EngineCall("method", ("argument",), reply=True)
+    assert first.conn.sent == [call] and second.conn.sent == [call]
+    assert engine.pending == [earlier, reported]
+    assert (first.waiting, first.running, first.num_received) == (1, 2, 3)
+
+
+def test_a_replicas_failure_is_raised_with_its_error_and_the_replicas_traceback_as_causes():
+    """The front end raises a RuntimeError naming the replica and the error; the replica's
+    own error is its cause, and that error's cause shows where the replica raised it."""
+    original = ValueError("bad prompt")
+    error = Replica(index=3).failed(Failed(original, "Traceback: in replica 3"))
+    assert str(error) == "data-parallel replica 3 failed: ValueError: bad prompt"
+    assert error.__cause__ is original
+    assert type(original.__cause__) is RemoteTraceback
+    assert original.__cause__.text == "Traceback: in replica 3"
+
+
+def test_a_dead_replica_is_reaped_with_a_bounded_wait_and_named_with_its_exit_code():
+    """died() joins the process (so its exit code is known) without waiting for ever, and
+    names the replica, its pid and its exit code."""
+    process = StandInProcess(alive=False, exitcode=-9)  # defined with the MPClient tests
+    error = Replica(index=1, process=process).died()
+    assert str(error) == "data-parallel replica 1 (pid 4242) died with exit code -9"
+    assert len(process.joins) == 1
+    assert process.joins[0] is not None and 0 < process.joins[0] <= 5
 
 
 def test_data_parallel_aborts_of_sequences_go_to_their_replicas_once_each():
