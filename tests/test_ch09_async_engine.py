@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -347,6 +348,57 @@ def test_a_consumer_that_stops_aborts_its_request(async_llm):
     outputs = asyncio.run(take_two())
     assert not outputs[-1].finished
     settle(async_llm)
+
+
+@pytest.fixture
+def inproc_llm(model_dir):
+    """AsyncLLM with its engine stepped in a thread of this process, at most 3 waiting."""
+    config = EngineConfig(model=str(model_dir), **SETTINGS)
+    llm = AsyncLLM.from_config(config, max_waiting_requests=3, multiprocess=False)
+    yield llm
+    llm.shutdown()
+
+
+def test_from_config_without_processes_steps_the_given_engine_in_this_process(
+    inproc_llm, model_dir
+):
+    assert type(inproc_llm.client) is InprocClient
+    assert isinstance(inproc_llm.engine, LLMEngine)
+    assert inproc_llm.engine.config.model == str(model_dir)
+    assert inproc_llm.max_waiting_requests == 3
+
+
+def test_an_aborted_stream_ends_for_its_reader_and_listeners_hear_its_id(inproc_llm):
+    """After `abort`, the stream yields nothing more (not even output that arrived before the
+    abort and was not read yet), and every listener is told the caller's request id."""
+    aborted: list[str] = []
+    inproc_llm.add_listener(
+        SimpleNamespace(on_step=lambda outputs, now: None, on_abort=aborted.extend)
+    )
+
+    async def read_one_then_abort():
+        stream = inproc_llm.add_request("r", {"prompt_token_ids": [5, 6, 7]}, LONG)
+        await anext(stream)
+        inproc_llm.abort("r")
+        return [output async for output in stream]
+
+    assert asyncio.run(asyncio.wait_for(read_one_then_abort(), HANG_GUARD_S)) == []
+    assert aborted == ["r"]
+    settle(inproc_llm)
+
+
+def test_a_closed_stream_yields_nothing_more_even_its_unread_last_output(inproc_llm):
+    """The request has finished in the front end (its stream forgotten), its last output not
+    read yet; `close()` ends the stream all the same."""
+
+    async def close_after_the_end():
+        stream = inproc_llm.add_request("c", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+        while not stream.output.finished:
+            await asyncio.sleep(0.01)
+        stream.close()
+        return [output async for output in stream]
+
+    assert asyncio.run(asyncio.wait_for(close_after_the_end(), HANG_GUARD_S)) == []
 
 
 # --- detokenization in the front end -----------------------------------------------------------
