@@ -11,8 +11,10 @@ stand-in that records the calls made on it, so a test can say exactly what was a
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import re
+import shutil
 import threading
 import time
 from collections import deque
@@ -57,7 +59,11 @@ from minivllm.engine.data_parallel import (
 )
 from minivllm.engine.deltas import OutputDeltas
 from minivllm.engine.llm_engine import LLMEngine, Metric, spec_decode_metric_rows
-from minivllm.engine.output_processor import SequenceState, cumulative_logprob_after
+from minivllm.engine.output_processor import (
+    OutputProcessor,
+    SequenceState,
+    cumulative_logprob_after,
+)
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sample.sampling_params import SamplingParams
 
@@ -690,6 +696,7 @@ class StandInSocket:
         self.polls: list[tuple] = []
         self.full = full
         self.on_send = None
+        self.closes: list = []  # the linger of each close()
 
     def recv_pyobj(self, flags=0):
         if flags == zmq.NOBLOCK:
@@ -720,6 +727,9 @@ class StandInSocket:
 
     def sent_messages(self) -> list:
         return [message for message, _ in self.sent]
+
+    def close(self, linger=None) -> None:
+        self.closes.append(linger)
 
 
 def test_receive_waits_only_when_told_and_takes_everything_that_arrived():
@@ -1223,3 +1233,96 @@ def test_generate_hands_the_requests_priority_to_add_request():
     asyncio.run(first_output())
     asyncio.run(first_output(priority=7))
     assert priorities == [0, 7]
+
+
+# --- shutting the core processes down --------------------------------------------------------------
+
+
+@dataclass
+class StandInThread:
+    joins: int = 0
+
+    def join(self, timeout=None) -> None:
+        self.joins += 1
+
+
+@dataclass
+class StandInContext:
+    terminated: int = 0
+
+    def term(self) -> None:
+        self.terminated += 1
+
+
+def core_processes(tmp_path, output_thread) -> CoreProcesses:
+    """Two cores that have exited, their sockets and their socket directory."""
+    ipc_dir = tmp_path / "ipc"
+    ipc_dir.mkdir()
+    (ipc_dir / "core-0-inputs").touch()
+    state = CoreProcesses(StandInContext(), str(ipc_dir), output_thread=output_thread)
+    state.cores = [
+        CoreProcess(
+            index=i,
+            process=StandInProcess(alive=False, exitcode=0),
+            inputs=StandInSocket(),
+            outputs=StandInSocket(),
+        )
+        for i in range(2)
+    ]
+    return state
+
+
+def test_a_shutdown_stops_every_core_once_and_leaves_no_socket_thread_or_directory(tmp_path):
+    """Each core is told to stop (without waiting on a full queue) and reaped; the output
+    thread is joined; every socket closes without lingering (a dead core would never take
+    what is left); the context ends and the socket directory is removed. A second shutdown
+    does nothing."""
+    thread = StandInThread()
+    state = core_processes(tmp_path, output_thread=thread)
+    state.shutdown()
+    state.shutdown()
+    for core in state.cores:
+        assert core.inputs.sent == [(Shutdown(), zmq.NOBLOCK)]
+        assert core.process.joins
+        assert core.inputs.closes == [0] and core.outputs.closes == [0]
+    assert thread.joins == 1
+    assert state.context.terminated == 1
+    assert not (tmp_path / "ipc").exists()
+
+
+def test_a_shutdown_from_the_output_thread_with_its_directory_gone_ends_quietly(tmp_path):
+    """The output thread shuts the cores down when one dies: it must not join itself, and a
+    socket directory removed already is no error."""
+    state = core_processes(tmp_path, output_thread=threading.current_thread())
+    shutil.rmtree(tmp_path / "ipc")
+    state.shutdown()
+    assert state.context.terminated == 1
+
+
+def test_an_mp_client_shutdown_runs_its_finalizer_and_leaves_nothing_for_exit(monkeypatch):
+    """The finalizer stops the cores; once it has run, interpreter exit has nothing left to
+    do for this client (a process that makes many clients does not collect their finalizers)."""
+    client = mp_client(1)
+    calls = []
+    client._finalizer = lambda: calls.append("finalized")
+    monkeypatch.setattr(atexit, "unregister", calls.append)
+    client.shutdown()
+    assert calls == ["finalized", client._finalizer]
+
+
+def test_the_output_processor_forgets_aborted_requests_and_ignores_unknown_ids():
+    processor = OutputProcessor(tokenizer=None)
+    processor.requests = {"a": "the state of a", "b": "the state of b"}
+    processor.abort_requests(["a", "nobody"])
+    assert processor.requests == {"b": "the state of b"}
+
+
+def test_a_replicas_traceback_holds_its_text_in_args_and_survives_pickling():
+    """The cause that shows where the replica raised its error: its text is its only argument
+    (what repr() and loggers show), and a copy through pickle (the front end may pass the error
+    on to another process) keeps it."""
+    original = RemoteTraceback("Traceback: in replica 0")
+    assert repr(original) == "RemoteTraceback('Traceback: in replica 0')"
+    copy = pickle.loads(pickle.dumps(original))
+    assert copy.args == ("Traceback: in replica 0",) and copy.text == "Traceback: in replica 0"
+    assert str(copy) == "\n\nTraceback: in replica 0"
