@@ -401,6 +401,29 @@ def test_a_closed_stream_yields_nothing_more_even_its_unread_last_output(inproc_
     assert asyncio.run(asyncio.wait_for(close_after_the_end(), HANG_GUARD_S)) == []
 
 
+def test_mp_client_starts_one_spawned_plain_engine_core_per_replica(model_dir):
+    """Two cores: each a fresh interpreter (spawned: no forked torch threads or sockets), not a
+    daemon (a core may start tensor-parallel workers, which a daemon may not), named and
+    numbered by its index; each runs one engine with one pool of the configured size (the data
+    parallelism is the client's, not nested in the cores), and the client routes by prefix in
+    the engine's blocks."""
+    config = EngineConfig(model=str(model_dir), **{**SETTINGS, "data_parallel_size": 2})
+    client = MPClient(config)
+    try:
+        assert [core.index for core in client.cores] == [0, 1]
+        for core in client.cores:
+            assert core.process.name == f"minivllm-engine-core-{core.index}"
+            assert core.process.daemon is False
+            assert isinstance(core.process, multiprocessing.context.SpawnProcess)
+        assert client.prefix_affinity.block_size == config.block_size
+        client.start(lambda report: None, lambda error: None)
+        for metrics in client.get_replica_metrics():
+            pool_bytes = next(m.value for m in metrics if m.name == "minivllm:kv_cache_bytes")
+            assert 0 < pool_bytes <= config.kv_cache_memory_bytes
+    finally:
+        client.shutdown()
+
+
 # --- detokenization in the front end -----------------------------------------------------------
 
 
