@@ -41,10 +41,12 @@ explore: setup
 # mutmut rather than cosmic-ray: it runs a mutant in a fork, with only the tests that reach the
 # mutated function, where cosmic-ray reruns the whole test command (scripts/mutate.py says more).
 # Slow (an hour or more, one mutant at a time), so not part of `make test` or CI; a rerun
-# tests only what changed. MUTATE_GROUPS=spec_decode narrows it (scripts/mutate.py has the list).
+# tests only what changed. MUTATE_GROUPS=spec_decode narrows it (scripts/mutate.py has the list);
+# MUTATE_JOBS=2 runs two mutants side by side, one per core.
 MUTATE_GROUPS ?=
+MUTATE_JOBS ?= 1
 mutate: setup
-	OMP_NUM_THREADS=1 $(PY) scripts/mutate.py $(MUTATE_GROUPS)
+	OMP_NUM_THREADS=1 $(PY) scripts/mutate.py --jobs $(MUTATE_JOBS) $(MUTATE_GROUPS)
 
 lint: setup
 	$(VENV)/bin/ruff check minivllm tests

@@ -20,6 +20,13 @@ directory of its own, build/mutate/<group>/, whose pyproject.toml holds that gro
 [tool.mutmut] section next to the project's pytest settings; minivllm/ and tests/ are links
 to the checkout's, which mutmut copies into build/mutate/<group>/mutants/.
 
+mutmut keeps its verdicts in build/mutate/<group>/mutants/, which a fresh checkout does not
+have. So after every run they are also written to mutation-verdicts.jsonl, which is committed:
+one line per mutated function, with mutmut's hash of its code and its mutants' exit codes. A
+run where build/ is missing starts from that file, and mutmut reruns only the functions whose
+code changed since (their hash differs) and the mutants it had not run yet; the scores are
+written from it.
+
 The score of a module is killed / (mutants - equivalent): a mutant counts as killed when a
 test failed, timed out or crashed with it, and as not killed when the tests passed
 ("survived") or none of the group's tests ran its function ("no tests"). An equivalent
@@ -47,6 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / "build" / "mutate"
 SCORES_MD = ROOT / "mutation-scores.md"
+VERDICTS = ROOT / "mutation-verdicts.jsonl"
 GOAL = 0.90
 
 # group -> (modules to mutate, the tests that run against them). The tests are the fast unit
@@ -137,6 +145,27 @@ _PICKLE_PROTOCOL = (
     " within a process; the protocol is pinned so that names do not change with Python's"
     " default"
 )
+_CORE_DP_SIZE = (
+    "a core's config keeps data_parallel_size (or gets 2) instead of 1: the core builds an"
+    " LLMEngine directly, which never reads it (only make_engine and the clients do); the 1"
+    " keeps the core's config truthful"
+)
+_SOCKET_DIRECTORY = (
+    "the socket directory's name prefix changed or dropped: mkdtemp makes a new private"
+    " directory all the same, and the name is read by nobody"
+)
+_ONE_CORE_AFFINITY = (
+    "prefix affinity kept with one core too: every request goes to the only core either way;"
+    " the affinity only remembers blocks for nothing"
+)
+_SOCKET_NAMES = (
+    'the name of a socket file changed ("in" -> "XXinXX", "IN", ...): any two different'
+    " names work, since the core is given the same addresses the client binds"
+)
+_INHERITED_DAEMON = (
+    "daemon=False -> None or left out: the process then inherits the daemon flag of the"
+    " process that starts it, which is not a daemon (a daemon could not start the core)"
+)
 EQUIVALENT: dict[str, str] = {
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_34": _ON_THE_CPU,
     "minivllm.spec_decode.draft_model_proposer.xǁDraftModelProposerǁforward__mutmut_39": (
@@ -187,10 +216,6 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_16": _DEVICE,
     "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_26": _DEVICE,
     "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_36": _DEVICE,
-    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_14": _DEVICE,
-    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_30": _DEVICE,
-    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_45": _DEVICE,
-    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_59": _DEVICE,
     "minivllm.sample.sampler.xǁSamplerǁ_draw__mutmut_8": _DEVICE,
     "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_4": _DEVICE,
     "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_7": _DEVICE,
@@ -200,6 +225,10 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.sample.sampler.xǁSamplerǁ_exponential_noise__mutmut_40": _DEVICE,
     "minivllm.sample.sampler.x__exponentials__mutmut_4": _DEVICE,
     "minivllm.sample.sampler.x__exponentials__mutmut_7": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_12": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_33": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_48": _DEVICE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_62": _DEVICE,
     "minivllm.sample.sampler.x__param_tensor__mutmut_3": _DEVICE,
     "minivllm.sample.sampler.x__param_tensor__mutmut_6": _DEVICE,
     "minivllm.sample.sampler.x__token_counts__mutmut_20": _DEVICE,
@@ -249,14 +278,14 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.sample.sampler.x_apply_min_p__mutmut_9": _SAME_DTYPE,
     "minivllm.sample.sampler.x_apply_min_p__mutmut_11": _SAME_DTYPE,
     "minivllm.sample.sampler.x__param_tensor__mutmut_2": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_11": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_32": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_47": _INFERRED_DTYPE,
+    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_61": _INFERRED_DTYPE,
     "minivllm.sample.sampler.x__param_tensor__mutmut_5": _INFERRED_DTYPE,
     "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_15": _INFERRED_DTYPE,
     "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_25": _INFERRED_DTYPE,
     "minivllm.sample.sampler.xǁSamplerǁ_penalise__mutmut_35": _INFERRED_DTYPE,
-    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_13": _INFERRED_DTYPE,
-    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_29": _INFERRED_DTYPE,
-    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_44": _INFERRED_DTYPE,
-    "minivllm.sample.sampler.xǁSamplerǁ_truncated_random_rows__mutmut_58": _INFERRED_DTYPE,
     "minivllm.sample.sampler.x_rank_tokens__mutmut_48": _STRICT_ZIP,
     "minivllm.sample.sampler.x_rank_tokens__mutmut_51": _STRICT_ZIP,
     "minivllm.sample.sampler.x_rank_tokens__mutmut_52": _STRICT_ZIP,
@@ -307,6 +336,9 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_37": _MINUS_INF,
     "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_6": _INT64_SHIFTS,
     "minivllm.structured_output.manager.x_apply_token_bitmasks__mutmut_9": _INT64_SHIFTS,
+    "minivllm.structured_output.manager.xǁCompiledGrammarCacheǁput__mutmut_2": (
+        '_running[key] = None -> "": the dict is an ordered set, its values are never read'
+    ),
     "minivllm.structured_output.manager.xǁStructuredOutputManagerǁshutdown__mutmut_1": (
         "shutdown(wait=False) -> wait=None: the executor reads it as a truth value, and None"
         " is false"
@@ -324,9 +356,29 @@ EQUIVALENT: dict[str, str] = {
         "the thread steps the core even without work: EngineCore.step steps the engine only"
         " when it has unfinished requests, and an empty report is not sent"
     ),
-    "minivllm.engine.deltas.xǁOutputDeltasǁ_delta__mutmut_1": (
-        "< -> <=: one more tokens-sent entry than there are completions, never read"
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_8": (
+        "the cores get the model as given instead of its resolved path: each resolves it to"
+        " the same directory; the front end resolves it first only so that the cores do not all"
+        " convert the embedded model at once, which the conversion tolerates"
     ),
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_9": _CORE_DP_SIZE,
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_11": _CORE_DP_SIZE,
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_18": _SOCKET_DIRECTORY,
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_19": _SOCKET_DIRECTORY,
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_20": _SOCKET_DIRECTORY,
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_38": (
+        "replica_device(config, None): on the CPU, where the tests run, it returns the config"
+        " whatever the index; on GPUs None * tensor_parallel_size raises at start, which the GPU"
+        " tests would catch"
+    ),
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_59": _ONE_CORE_AFFINITY,
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_61": _ONE_CORE_AFFINITY,
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_2": _SOCKET_NAMES,
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_3": _SOCKET_NAMES,
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_4": _SOCKET_NAMES,
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_5": _SOCKET_NAMES,
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_28": _INHERITED_DAEMON,
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_32": _INHERITED_DAEMON,
     "minivllm.engine.deltas.xǁOutputDeltasǁ_delta__mutmut_2": (
         "a new completion's tokens sent start at None instead of 0: a slice from None is a"
         " slice from 0"
@@ -397,7 +449,7 @@ KILLED_CODES = {1, 3, 24, -24, 152, 255, 36, -11, -9}
 NO_TESTS_CODES = {5, 33}
 
 
-def test_environment() -> dict[str, str]:
+def test_environment(group: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         HF_HUB_OFFLINE="1",
@@ -411,6 +463,10 @@ def test_environment() -> dict[str, str]:
         # Tiny models are made once and copied, not made again for every mutant.
         PYTEST_PLUGINS="mutate_plugin",
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT / "scripts"), env.get("PYTHONPATH")])),
+        # The C++ kernels built from the group's copy of the sources, apart: torch rebuilds a
+        # kernel whenever it is loaded from sources at another path, under a lock, so tests of
+        # the checkout run meanwhile would make the mutants wait (and time out) for rebuilds.
+        TORCH_EXTENSIONS_DIR=str(WORK / group / "torch_extensions"),
     )
     return env
 
@@ -448,6 +504,8 @@ def prepare(group: str) -> Path:
         "timeout_multiplier = 3.0\n"
         "timeout_constant = 20.0\n"
     )
+    restore_verdicts(group, workdir)
+    sync_verdicts(group)
     return workdir
 
 
@@ -460,12 +518,12 @@ def not_killed(group: str) -> list[str]:
     ]
 
 
-def run_group(group: str, retest: bool = False) -> int:
+def run_group(group: str, retest: bool = False, jobs: int = 1) -> int:
     workdir = prepare(group)
     mutmut = Path(sys.executable).parent / "mutmut"
-    # --max-children 1: one mutant at a time (the machine is shared, and torch's threads are
-    # already limited to one by the environment).
-    command = [str(mutmut), "run", "--max-children", "1"]
+    # One mutant at a time by default (the machine may be shared); each runs on one thread, as
+    # the environment says, so --jobs up to the number of cores runs that many side by side.
+    command = [str(mutmut), "run", "--max-children", str(jobs)]
     if retest:
         # mutmut keeps a survivor's verdict until it is named again (new tests do not reset
         # it): name every mutant not killed yet.
@@ -474,16 +532,101 @@ def run_group(group: str, retest: bool = False) -> int:
             return 0
         command += names
     print(f"== {group}: {' '.join(command)} (in {workdir.relative_to(ROOT)})", flush=True)
-    return subprocess.call(command, cwd=workdir, env=test_environment())
+    status = subprocess.call(command, cwd=workdir, env=test_environment(group))
+    sync_verdicts(group)
+    return status
 
 
-def module_results(group: str) -> dict[str, dict[str, int]]:
-    """module path -> mutant name -> exit code, from mutmut's files of the last run."""
-    results: dict[str, dict[str, int]] = {}
+def module_dotted_name(module: str) -> str:
+    """minivllm/engine/core.py -> minivllm.engine.core, as mutmut names a module's mutants."""
+    return module.removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+
+
+def local_verdicts(group: str) -> list[dict]:
+    """mutmut's files of the group's last run here, one line per mutated function: its
+    module, its name, the hash of its code and the exit code of each of its mutants
+    (mutant i's at i - 1; None where it has not run)."""
+    lines: dict[tuple[str, str], dict] = {}
     mutants = WORK / group / "mutants"
-    for meta in sorted(mutants.rglob("*.py.meta")):
-        module = str(meta.relative_to(mutants)).removesuffix(".meta")
-        results[module] = json.loads(meta.read_text())["exit_code_by_key"]
+    for meta_file in sorted(mutants.rglob("*.py.meta")):
+        module = str(meta_file.relative_to(mutants)).removesuffix(".meta")
+        meta = json.loads(meta_file.read_text())
+        prefix = module_dotted_name(module) + "."
+        for function, code_hash in meta["hash_by_function_name"].items():
+            lines[module, function] = dict(
+                group=group, module=module, function=function, hash=code_hash, exit_codes=[]
+            )
+        for name, exit_code in meta["exit_code_by_key"].items():
+            function, _, number = name.removeprefix(prefix).rpartition("__mutmut_")
+            line = lines.setdefault(
+                (module, function),
+                dict(group=group, module=module, function=function, hash=None, exit_codes=[]),
+            )
+            codes = line["exit_codes"]
+            codes += [None] * (int(number) - len(codes))
+            codes[int(number) - 1] = exit_code
+    return [lines[key] for key in sorted(lines)]
+
+
+def saved_verdicts() -> list[dict]:
+    if not VERDICTS.exists():
+        return []
+    return [json.loads(line) for line in VERDICTS.read_text().splitlines()]
+
+
+def save_verdicts(group: str, lines: list[dict]) -> None:
+    """Replace the group's lines of mutation-verdicts.jsonl with these."""
+    kept = [line for line in saved_verdicts() if line["group"] != group]
+    ordered = sorted(
+        kept + lines, key=lambda line: (line["group"], line["module"], line["function"])
+    )
+    VERDICTS.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in ordered))
+
+
+def restore_verdicts(group: str, workdir: Path) -> None:
+    """Write mutmut's files from mutation-verdicts.jsonl where this checkout has none."""
+    metas: dict[str, dict] = {}
+    for line in saved_verdicts():
+        if line["group"] != group:
+            continue
+        meta = metas.setdefault(
+            line["module"],
+            dict(
+                exit_code_by_key={},
+                hash_by_function_name={},
+                type_check_error_by_key={},
+                durations_by_key={},
+                estimated_durations_by_key={},
+            ),
+        )
+        if line["hash"] is not None:
+            meta["hash_by_function_name"][line["function"]] = line["hash"]
+        prefix = f"{module_dotted_name(line['module'])}.{line['function']}__mutmut_"
+        for number, exit_code in enumerate(line["exit_codes"], start=1):
+            meta["exit_code_by_key"][f"{prefix}{number}"] = exit_code
+    for module, meta in metas.items():
+        meta_file = workdir / "mutants" / f"{module}.meta"
+        if not meta_file.exists():
+            meta_file.parent.mkdir(parents=True, exist_ok=True)
+            meta_file.write_text(json.dumps(meta, ensure_ascii=False, indent=1))
+
+
+def sync_verdicts(group: str) -> None:
+    """mutation-verdicts.jsonl brought up to date with the group's run here, if any."""
+    if (WORK / group / "mutants").is_dir():
+        save_verdicts(group, local_verdicts(group))
+
+
+def module_results(group: str) -> dict[str, dict[str, int | None]]:
+    """module path -> mutant name -> exit code, from mutation-verdicts.jsonl."""
+    results: dict[str, dict[str, int | None]] = {}
+    for line in saved_verdicts():
+        if line["group"] != group:
+            continue
+        prefix = f"{module_dotted_name(line['module'])}.{line['function']}__mutmut_"
+        codes = results.setdefault(line["module"], {})
+        for number, exit_code in enumerate(line["exit_codes"], start=1):
+            codes[f"{prefix}{number}"] = exit_code
     return results
 
 
@@ -520,8 +663,8 @@ def score_rows() -> list[dict]:
     return rows
 
 
-def write_report() -> None:
-    rows = score_rows()
+def report_text(rows: list[dict]) -> str:
+    """mutation-scores.md, from the rows of score_rows()."""
     lines = [
         "# Mutation scores",
         "",
@@ -559,7 +702,14 @@ def write_report() -> None:
         "diff.",
         "",
     ]
-    SCORES_MD.write_text("\n".join(lines))
+    return "\n".join(lines)
+
+
+def write_report() -> None:
+    for group in GROUPS:
+        sync_verdicts(group)
+    rows = score_rows()
+    SCORES_MD.write_text(report_text(rows))
     for r in rows:
         print(f"{r['score']:7.1%}  {r['module']}")
 
@@ -572,6 +722,9 @@ def main() -> int:
     parser.add_argument(
         "--retest", action="store_true", help="run again the mutants not killed (after new tests)"
     )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="mutants run side by side (each on one core)"
+    )
     args = parser.parse_args()
     groups = args.groups or list(GROUPS)
     unknown = set(groups) - set(GROUPS)
@@ -582,10 +735,11 @@ def main() -> int:
     if args.clean:
         for group in groups:
             shutil.rmtree(WORK / group, ignore_errors=True)
+            save_verdicts(group, [])
     status = 0
     if not args.report:
         for group in groups:
-            status |= run_group(group, retest=args.retest)
+            status |= run_group(group, retest=args.retest, jobs=args.jobs)
     write_report()
     return status
 

@@ -401,6 +401,25 @@ def test_a_closed_stream_yields_nothing_more_even_its_unread_last_output(inproc_
     assert asyncio.run(asyncio.wait_for(close_after_the_end(), HANG_GUARD_S)) == []
 
 
+def test_shutdown_ends_an_open_stream_with_engine_dead_saying_why(inproc_llm):
+    """A reader still in a stream at shutdown gets what had arrived, then EngineDeadError."""
+
+    async def read_through_shutdown():
+        stream = inproc_llm.add_request("r", {"prompt_token_ids": [5, 6, 7]}, LONG)
+        await anext(stream)
+        await asyncio.to_thread(inproc_llm.shutdown)
+        with pytest.raises(EngineDeadError, match="^the engine was shut down$"):
+            async for _ in stream:
+                pass
+
+    asyncio.run(asyncio.wait_for(read_through_shutdown(), HANG_GUARD_S))
+
+
+def test_an_async_engine_shut_down_before_any_request_ends_quietly(inproc_llm):
+    inproc_llm.shutdown()  # no loop was ever used: nothing to tell
+    assert not inproc_llm.is_running
+
+
 def test_mp_client_starts_one_spawned_plain_engine_core_per_replica(model_dir):
     """Two cores: each a fresh interpreter (spawned: no forked torch threads or sockets), not a
     daemon (a core may start tensor-parallel workers, which a daemon may not), named and
@@ -417,6 +436,9 @@ def test_mp_client_starts_one_spawned_plain_engine_core_per_replica(model_dir):
             assert isinstance(core.process, multiprocessing.context.SpawnProcess)
         assert client.prefix_affinity.block_size == config.block_size
         client.start(lambda report: None, lambda error: None)
+        # A daemon: a client nobody shut down must not keep the interpreter from exiting.
+        thread = client.state.output_thread
+        assert thread.name == "minivllm-core-outputs" and thread.daemon is True
         for metrics in client.get_replica_metrics():
             pool_bytes = next(m.value for m in metrics if m.name == "minivllm:kv_cache_bytes")
             assert 0 < pool_bytes <= config.kv_cache_memory_bytes

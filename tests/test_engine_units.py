@@ -27,6 +27,7 @@ import zmq
 
 from minivllm.core.prefix_cache import PrefixCacheStats, hash_blocks
 from minivllm.core.scheduler import SpecDecodeStats
+from minivllm.engine import core_client
 from minivllm.engine.core import (
     AbortRequests,
     AbortSequences,
@@ -42,6 +43,7 @@ from minivllm.engine.core_client import (
     EngineDeadError,
     InprocClient,
     MPClient,
+    wait_until_ready,
 )
 from minivllm.engine.data_parallel import (
     AddRequest,
@@ -49,6 +51,7 @@ from minivllm.engine.data_parallel import (
     EngineCall,
     Failed,
     PrefixAffinity,
+    Ready,
     RemoteTraceback,
     Replica,
     Reply,
@@ -1326,3 +1329,59 @@ def test_a_replicas_traceback_holds_its_text_in_args_and_survives_pickling():
     copy = pickle.loads(pickle.dumps(original))
     assert copy.args == ("Traceback: in replica 0",) and copy.text == "Traceback: in replica 0"
     assert str(copy) == "\n\nTraceback: in replica 0"
+
+
+# --- waiting for a core to start ------------------------------------------------------------------
+
+
+@dataclass
+class StartingCoreOutputs:
+    """A core's output socket while it starts: `poll` finds a message after `empty_polls`
+    empty ones; a receive with nothing there (it would block for ever) fails the test."""
+
+    message: object = None
+    empty_polls: int = 0
+    poll_timeouts: list = field(default_factory=list)
+
+    def poll(self, timeout=None) -> int:
+        self.poll_timeouts.append(timeout)
+        assert len(self.poll_timeouts) < 100, "polls on without reading what arrived"
+        return int(self.message is not None and len(self.poll_timeouts) > self.empty_polls)
+
+    def recv_pyobj(self, flags=0):
+        assert self.message is not None, "a blocking receive with nothing to arrive"
+        return self.message
+
+
+def starting_core(outputs: StartingCoreOutputs, alive: bool = True) -> CoreProcess:
+    return CoreProcess(index=0, process=StandInProcess(alive=alive, exitcode=1), outputs=outputs)
+
+
+def test_waiting_for_a_core_polls_in_short_waits_and_returns_its_max_model_len():
+    """Each wait is bounded (so a dead core or the deadline is noticed), and Ready is read as
+    soon as it is there."""
+    outputs = StartingCoreOutputs(Ready(max_model_len=2048), empty_polls=3)
+    assert wait_until_ready(starting_core(outputs)) == 2048
+    assert len(outputs.poll_timeouts) == 4
+    assert all(timeout is not None and 0 < timeout <= 1000 for timeout in outputs.poll_timeouts)
+
+
+def test_a_core_that_exits_before_ready_is_reported_dead():
+    with pytest.raises(EngineDeadError, match=r"engine core process 0 \(pid 4242\) died"):
+        wait_until_ready(starting_core(StartingCoreOutputs(), alive=False))
+
+
+def test_a_core_that_fails_to_build_its_engine_raises_its_error_with_its_traceback():
+    error = ValueError("no config.json")
+    outputs = StartingCoreOutputs(Failed(error, "Traceback: in the core"))
+    with pytest.raises(ValueError, match="no config.json") as raised:
+        wait_until_ready(starting_core(outputs))
+    assert raised.value is error
+    assert type(error.__cause__) is RemoteTraceback
+    assert error.__cause__.text == "Traceback: in the core"
+
+
+def test_a_core_that_takes_too_long_to_start_times_out_naming_the_limit(monkeypatch):
+    monkeypatch.setattr(core_client, "STARTUP_TIMEOUT_S", 0)
+    with pytest.raises(TimeoutError, match=r"^the engine core did not start in 0 s$"):
+        wait_until_ready(starting_core(StartingCoreOutputs()))
