@@ -568,6 +568,12 @@ def local_verdicts(group: str) -> list[dict]:
     return [lines[key] for key in sorted(lines)]
 
 
+def mutants_of(line: dict) -> dict[str, int | None]:
+    """A verdict line's mutants, by mutmut's name -> exit code."""
+    prefix = f"{module_dotted_name(line['module'])}.{line['function']}__mutmut_"
+    return {f"{prefix}{number}": code for number, code in enumerate(line["exit_codes"], start=1)}
+
+
 def saved_verdicts() -> list[dict]:
     if not VERDICTS.exists():
         return []
@@ -601,9 +607,7 @@ def restore_verdicts(group: str, workdir: Path) -> None:
         )
         if line["hash"] is not None:
             meta["hash_by_function_name"][line["function"]] = line["hash"]
-        prefix = f"{module_dotted_name(line['module'])}.{line['function']}__mutmut_"
-        for number, exit_code in enumerate(line["exit_codes"], start=1):
-            meta["exit_code_by_key"][f"{prefix}{number}"] = exit_code
+        meta["exit_code_by_key"].update(mutants_of(line))
     for module, meta in metas.items():
         meta_file = workdir / "mutants" / f"{module}.meta"
         if not meta_file.exists():
@@ -623,10 +627,7 @@ def module_results(group: str) -> dict[str, dict[str, int | None]]:
     for line in saved_verdicts():
         if line["group"] != group:
             continue
-        prefix = f"{module_dotted_name(line['module'])}.{line['function']}__mutmut_"
-        codes = results.setdefault(line["module"], {})
-        for number, exit_code in enumerate(line["exit_codes"], start=1):
-            codes[f"{prefix}{number}"] = exit_code
+        results.setdefault(line["module"], {}).update(mutants_of(line))
     return results
 
 
