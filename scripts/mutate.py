@@ -546,26 +546,42 @@ def local_verdicts(group: str) -> list[dict]:
     """mutmut's files of the group's last run here, one line per mutated function: its
     module, its name, the hash of its code and the exit code of each of its mutants
     (mutant i's at i - 1; None where it has not run)."""
-    lines: dict[tuple[str, str], dict] = {}
+    lines = []
     mutants = WORK / group / "mutants"
     for meta_file in sorted(mutants.rglob("*.py.meta")):
         module = str(meta_file.relative_to(mutants)).removesuffix(".meta")
         meta = json.loads(meta_file.read_text())
+        hashes = meta["hash_by_function_name"]
         prefix = module_dotted_name(module) + "."
-        for function, code_hash in meta["hash_by_function_name"].items():
-            lines[module, function] = dict(
-                group=group, module=module, function=function, hash=code_hash, exit_codes=[]
-            )
+        codes_by_function: dict[str, list[int | None]] = {function: [] for function in hashes}
         for name, exit_code in meta["exit_code_by_key"].items():
             function, _, number = name.removeprefix(prefix).rpartition("__mutmut_")
-            line = lines.setdefault(
-                (module, function),
-                dict(group=group, module=module, function=function, hash=None, exit_codes=[]),
-            )
-            codes = line["exit_codes"]
+            codes = codes_by_function.setdefault(function, [])
             codes += [None] * (int(number) - len(codes))
             codes[int(number) - 1] = exit_code
-    return [lines[key] for key in sorted(lines)]
+        lines += [
+            dict(
+                group=group,
+                module=module,
+                function=function,
+                hash=hashes.get(function),
+                exit_codes=codes,
+            )
+            for function, codes in sorted(codes_by_function.items())
+        ]
+    return lines
+
+
+def mutmut_meta(exit_codes: dict[str, int | None], hashes: dict[str, str]) -> dict:
+    """mutmut's file of one module's verdicts (mutants/<module>.meta); the durations it also
+    keeps are estimates, made again by the next run."""
+    return dict(
+        exit_code_by_key=exit_codes,
+        hash_by_function_name=hashes,
+        type_check_error_by_key={},
+        durations_by_key={},
+        estimated_durations_by_key={},
+    )
 
 
 def mutants_of(line: dict) -> dict[str, int | None]:
@@ -580,6 +596,10 @@ def saved_verdicts() -> list[dict]:
     return [json.loads(line) for line in VERDICTS.read_text().splitlines()]
 
 
+def group_verdicts(group: str) -> list[dict]:
+    return [line for line in saved_verdicts() if line["group"] == group]
+
+
 def save_verdicts(group: str, lines: list[dict]) -> None:
     """Replace the group's lines of mutation-verdicts.jsonl with these."""
     kept = [line for line in saved_verdicts() if line["group"] != group]
@@ -591,27 +611,15 @@ def save_verdicts(group: str, lines: list[dict]) -> None:
 
 def restore_verdicts(group: str, workdir: Path) -> None:
     """Write mutmut's files from mutation-verdicts.jsonl where this checkout has none."""
-    metas: dict[str, dict] = {}
-    for line in saved_verdicts():
-        if line["group"] != group:
-            continue
-        meta = metas.setdefault(
-            line["module"],
-            dict(
-                exit_code_by_key={},
-                hash_by_function_name={},
-                type_check_error_by_key={},
-                durations_by_key={},
-                estimated_durations_by_key={},
-            ),
-        )
+    hashes: dict[str, dict[str, str]] = {}
+    for line in group_verdicts(group):
         if line["hash"] is not None:
-            meta["hash_by_function_name"][line["function"]] = line["hash"]
-        meta["exit_code_by_key"].update(mutants_of(line))
-    for module, meta in metas.items():
+            hashes.setdefault(line["module"], {})[line["function"]] = line["hash"]
+    for module, exit_codes in module_results(group).items():
         meta_file = workdir / "mutants" / f"{module}.meta"
         if not meta_file.exists():
             meta_file.parent.mkdir(parents=True, exist_ok=True)
+            meta = mutmut_meta(exit_codes, hashes.get(module, {}))
             meta_file.write_text(json.dumps(meta, ensure_ascii=False, indent=1))
 
 
@@ -624,9 +632,7 @@ def sync_verdicts(group: str) -> None:
 def module_results(group: str) -> dict[str, dict[str, int | None]]:
     """module path -> mutant name -> exit code, from mutation-verdicts.jsonl."""
     results: dict[str, dict[str, int | None]] = {}
-    for line in saved_verdicts():
-        if line["group"] != group:
-            continue
+    for line in group_verdicts(group):
         results.setdefault(line["module"], {}).update(mutants_of(line))
     return results
 
