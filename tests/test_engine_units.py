@@ -11,6 +11,7 @@ stand-in that records the calls made on it, so a test can say exactly what was a
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import pickle
 import re
@@ -28,6 +29,7 @@ import zmq
 from minivllm.core.prefix_cache import PrefixCacheStats, hash_blocks
 from minivllm.core.scheduler import SpecDecodeStats
 from minivllm.engine import core_client
+from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core import (
     AbortRequests,
     AbortSequences,
@@ -1213,9 +1215,6 @@ def test_a_cores_failure_message_ends_the_engine_with_its_error_and_traceback():
 def test_generate_hands_the_requests_priority_to_add_request():
     """AsyncLLM.generate passes its priority through, 0 when none is given (a lower value runs
     first under the priority policy, so a changed default would reorder every request)."""
-    import asyncio
-
-    from minivllm.engine.async_llm import AsyncLLM
 
     class Queued(Exception):
         pass
