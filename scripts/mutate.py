@@ -352,6 +352,13 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.engine.core_client.xǁInprocClientǁ__init____mutmut_7": (
         "_stopping = False -> None: it is read only as a truth value, and None is false"
     ),
+    "minivllm.engine.async_llm.xǁAsyncLLMǁ__init____mutmut_14": (
+        "_stopping = False -> None: it is read only as a truth value (is_running), and None is"
+        " false"
+    ),
+    "minivllm.engine.async_llm.xǁRequestStreamǁ__anext____mutmut_6": (
+        "unread = False -> None: it is read only as a truth value, and None is false"
+    ),
     "minivllm.engine.core_client.xǁInprocClientǁ_run__mutmut_4": (
         "the thread steps the core even without work: EngineCore.step steps the engine only"
         " when it has unfinished requests, and an empty report is not sent"

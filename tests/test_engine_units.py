@@ -42,6 +42,7 @@ from minivllm.engine.core import (
 from minivllm.engine.core_client import (
     CoreProcess,
     CoreProcesses,
+    EngineCoreClient,
     EngineDeadError,
     InprocClient,
     MPClient,
@@ -66,11 +67,13 @@ from minivllm.engine.deltas import OutputDeltas
 from minivllm.engine.llm_engine import LLMEngine, Metric, spec_decode_metric_rows
 from minivllm.engine.output_processor import (
     OutputProcessor,
+    RequestState,
     SequenceState,
     cumulative_logprob_after,
 )
+from minivllm.engine.processor import ProcessedPrompt, Processor, broadcast_params
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
-from minivllm.sample.sampling_params import SamplingParams
+from minivllm.sample.sampling_params import SamplingParams, StructuredOutputsParams
 
 HANG_GUARD_S = 5  # a wait that ends in milliseconds, unless something hangs
 PROMPT = {"prompt": None, "prompt_token_ids": [1, 2, 3, 4, 5]}
@@ -1319,6 +1322,92 @@ def test_the_output_processor_forgets_aborted_requests_and_ignores_unknown_ids()
     assert processor.requests == {"b": "the state of b"}
 
 
+@dataclass
+class StandInDetokenizer:
+    """Records the tokens fed to it; the token `stop_at` completes the stop string "STOP".
+    Its text is each token fed, as "<id>"."""
+
+    stop_at: int | None = None
+    fed: list[int] = field(default_factory=list)
+    taken: int = 0
+
+    def append_token(self, token_id: int) -> str | None:
+        self.fed.append(token_id)
+        return "STOP" if token_id == self.stop_at else None
+
+    def take_new_text(self, finished: bool) -> str:
+        text = "".join(f"<{token_id}>" for token_id in self.fed[self.taken :])
+        self.taken = len(self.fed)
+        return text
+
+
+def processor_with(*detokenizers: StandInDetokenizer) -> OutputProcessor:
+    """An output processor holding request "r", one sequence per detokenizer; its tokenizer
+    decodes a token as "<id>" too."""
+    processor = OutputProcessor(SimpleNamespace(decode=lambda ids: f"<{ids[0]}>"))
+    sequences = [SequenceState(detokenizer, None) for detokenizer in detokenizers]
+    processor.requests["r"] = RequestState(SamplingParams(n=len(sequences)), sequences)
+    return processor
+
+
+def delta(*completions: CompletionOutput, finished: bool = False) -> RequestOutput:
+    return RequestOutput("r", None, [], list(completions), finished)
+
+
+@pytest.mark.parametrize(
+    ("finish_reason", "fed"), [("stop", [4, 5]), ("length", [4, 5, 6]), (None, [4, 5, 6])]
+)
+def test_a_token_that_ended_its_sequence_as_stop_is_never_text(finish_reason, fed):
+    """EOS or a stop token id (finish reason "stop" from the core) ends the sequence without
+    becoming text, as in the engine; a sequence cut by its length keeps its last token's text."""
+    detokenizer = StandInDetokenizer()
+    new = CompletionOutput(0, "", [4, 5, 6], None, None, finish_reason=finish_reason)
+    processed = processor_with(detokenizer).process_outputs([delta(new)])
+    assert detokenizer.fed == fed
+    (completion,) = processed.outputs[0].outputs
+    assert completion.token_ids == [4, 5, 6]
+    assert completion.text == "".join(f"<{token_id}>" for token_id in fed)
+
+
+def test_a_stop_string_keeps_the_tokens_up_to_the_one_that_completed_it():
+    """Token 5 completes the stop string within a delta of four (a speculative step): tokens
+    and logprobs after it are dropped, the sequence stops with the string as its reason, and
+    the core, which knows nothing of it, is told to abort the request. The cumulative logprob
+    counts the kept tokens only."""
+    detokenizer = StandInDetokenizer(stop_at=5)
+    logprobs = [{token_id: Logprob(-1.0)} for token_id in [4, 5, 6, 7]]
+    new = CompletionOutput(0, "", [4, 5, 6, 7], -4.0, logprobs)
+    processor = processor_with(detokenizer)
+    processor.requests["r"].sequences[0].cumulative_logprob = -1.0  # as of the last delta
+    processed = processor.process_outputs([delta(new)])
+    (completion,) = processed.outputs[0].outputs
+    assert detokenizer.fed == [4, 5] and completion.cumulative_logprob == -3.0
+    assert completion.token_ids == [4, 5]
+    assert completion.logprobs == [{4: Logprob(-1.0, None, "<4>")}, {5: Logprob(-1.0, None, "<5>")}]
+    assert (completion.finish_reason, completion.stop_reason) == ("stop", "STOP")
+    assert processed.requests_to_abort == ["r"] and processor.requests == {}
+
+
+def test_a_sequence_stopped_by_a_string_ends_alone_and_sends_nothing_more():
+    """With two sequences, a stop string ends only its own: the core is told to abort that
+    sequence, the request goes on, and what the core still sends of the stopped one is
+    replaced by its final state with nothing new."""
+    stopped, running = StandInDetokenizer(stop_at=5), StandInDetokenizer()
+    processor = processor_with(stopped, running)
+    first = processor.process_outputs(
+        [delta(CompletionOutput(0, "", [5], None, None), CompletionOutput(1, "", [8], None, None))]
+    )
+    assert first.sequences_to_abort == [("r", 0)] and first.requests_to_abort == []
+    assert not first.outputs[0].finished
+    second = processor.process_outputs(
+        [delta(CompletionOutput(0, "", [6], None, None), CompletionOutput(1, "", [9], None, None))]
+    )
+    late, going_on = second.outputs[0].outputs
+    assert (late.token_ids, late.text, late.finish_reason) == ([], "", "stop")
+    assert (going_on.token_ids, going_on.text) == ([9], "<9>")
+    assert stopped.fed == [5] and second.sequences_to_abort == []
+
+
 def test_a_replicas_traceback_holds_its_text_in_args_and_survives_pickling():
     """The cause that shows where the replica raised its error: its text is its only argument
     (what repr() and loggers show), and a copy through pickle (the front end may pass the error
@@ -1384,3 +1473,244 @@ def test_a_core_that_takes_too_long_to_start_times_out_naming_the_limit(monkeypa
     monkeypatch.setattr(core_client, "STARTUP_TIMEOUT_S", 0)
     with pytest.raises(TimeoutError, match=r"^the engine core did not start in 0 s$"):
         wait_until_ready(starting_core(StartingCoreOutputs()))
+
+
+# --- the processor: what a request may be, and what is said when it may not -------------------
+
+# A tokenizer whose tokens are characters: "Hi" is [72, 105].
+CHARACTERS = SimpleNamespace(encode=lambda text: [ord(c) for c in text])
+
+
+def processor(max_model_len: int = 8) -> Processor:
+    return Processor(CHARACTERS, vocab_size=200, max_model_len=max_model_len)
+
+
+def refused(error: type[Exception], message: str):
+    """pytest.raises for exactly this message: the user reads all of it."""
+    return pytest.raises(error, match=f"^{re.escape(message)}$")
+
+
+def test_a_processed_prompt_is_given_back_in_add_requests_form():
+    prompt = ProcessedPrompt("Hi", [72, 105], "salt")
+    assert prompt.as_prompt() == {
+        "prompt": "Hi",
+        "prompt_token_ids": [72, 105],
+        "cache_salt": "salt",
+    }
+
+
+def test_each_prompt_form_gives_its_text_and_token_ids():
+    """A string and {"prompt": ...} are encoded; token ids are taken as given (a tuple as a
+    list), with the text given beside them, if any; a cache salt travels along."""
+    check = processor().process_prompt
+    assert check("Hi") == ProcessedPrompt("Hi", [72, 105])
+    assert check({"prompt": "Hi", "cache_salt": "s"}) == ProcessedPrompt("Hi", [72, 105], "s")
+    assert check({"prompt_token_ids": (1, 2)}) == ProcessedPrompt(None, [1, 2])
+    assert check({"prompt_token_ids": [1], "prompt": "x"}) == ProcessedPrompt("x", [1])
+    assert type(check({"prompt_token_ids": (1, 2)}).token_ids) is list
+
+
+def test_a_prompt_of_no_known_form_is_refused_naming_the_forms():
+    check = processor().process_prompt
+    forms = "a string, {'prompt': str} or {'prompt_token_ids': list[int]}"
+    with refused(TypeError, f"a prompt must be {forms}; got int"):
+        check(7)
+    with refused(TypeError, f"a prompt must be {forms}; got dict"):
+        check({"text": "Hi"})
+    with refused(TypeError, "prompt['prompt'] must be a string, got list"):
+        check({"prompt": ["Hi"]})
+
+
+def test_empty_prompts_and_bad_token_ids_are_refused():
+    check = processor().process_prompt
+    with refused(ValueError, "the prompt is empty; give at least one character or token"):
+        check("")
+    with refused(ValueError, "the prompt is empty; give at least one character or token"):
+        check({"prompt": ""})
+    with refused(ValueError, "prompt_token_ids is empty; give at least one token"):
+        check({"prompt_token_ids": []})
+    for not_a_list_of_ints in ["12", [1, True], [1.0], {1: 2}]:
+        with refused(TypeError, "prompt_token_ids must be a list of ints"):
+            check({"prompt_token_ids": not_a_list_of_ints})
+    with refused(
+        ValueError,
+        "prompt_token_ids contains ids outside the vocabulary [0, 200): [-1, 200, 201, 202, 203]",
+    ):
+        check({"prompt_token_ids": [0, -1, 199, 200, 201, 202, 203, 204]})
+
+
+def test_a_cache_salt_is_a_non_empty_string():
+    check = processor().process_prompt
+    for salt in ["", 3]:
+        with refused(ValueError, f"cache_salt must be a non-empty string, got {salt!r}"):
+            check({"prompt": "Hi", "cache_salt": salt})
+
+
+def test_a_prompt_leaves_room_for_one_generated_token():
+    """A context of 8 takes a prompt of 7 tokens, not 8."""
+    check = processor(max_model_len=8).process_prompt
+    assert len(check("abcdefg").token_ids) == 7
+    with refused(
+        ValueError,
+        "the prompt is 8 tokens long, but the model's context is 8 tokens (including at least "
+        "one generated token)",
+    ):
+        check("abcdefgh")
+
+
+def test_a_request_is_checked_whole_with_default_params_for_none():
+    process = processor(max_model_len=32).process_request  # room for the default 16 tokens
+    prompt, params = process("Hi", None)
+    assert prompt == ProcessedPrompt("Hi", [72, 105]) and params == SamplingParams()
+    given = SamplingParams(max_tokens=6)
+    assert process("Hi", given) == (ProcessedPrompt("Hi", [72, 105]), given)
+    with refused(TypeError, "params must be SamplingParams, got dict"):
+        process("Hi", {"max_tokens": 6})
+
+
+def test_prompt_and_max_tokens_must_fit_the_context():
+    """2 prompt tokens and a context of 8: max_tokens 6 fits, 7 does not; without max_tokens
+    the context is the limit."""
+    process = processor(max_model_len=8).process_request
+    process("Hi", SamplingParams(max_tokens=6))
+    process("Hi", SamplingParams(max_tokens=None))
+    with refused(
+        ValueError,
+        "max_tokens=7 does not fit: the prompt has 2 tokens and the context 8, so max_tokens "
+        "can be at most 6",
+    ):
+        process("Hi", SamplingParams(max_tokens=7))
+
+
+@pytest.mark.parametrize("field_name", ["logit_bias", "stop_token_ids"])
+def test_token_ids_in_the_params_must_be_in_the_vocabulary(field_name):
+    """The vocabulary is 200 tokens: 199 is the last one; the message shows the first five
+    outside."""
+    process = processor().process_request
+
+    def params(token_ids):
+        if field_name == "logit_bias":
+            return SamplingParams(max_tokens=1, logit_bias={t: 1.0 for t in token_ids})
+        return SamplingParams(max_tokens=1, stop_token_ids=token_ids)
+
+    process("Hi", params([0, 199]))
+    with refused(
+        ValueError,
+        f"{field_name} must name token ids below the vocabulary size 200, got "
+        "[200, 201, 202, 203, 204]",
+    ):
+        process("Hi", params([5, 200, 201, 202, 203, 204, 205]))
+
+
+def test_a_grammar_that_does_not_parse_is_refused_before_anything_is_queued():
+    process = processor().process_request
+    grammar = SamplingParams(max_tokens=1, structured_outputs=StructuredOutputsParams(regex="a"))
+    assert process("Hi", grammar)[1] is grammar
+    broken = StructuredOutputsParams(grammar="root ::= (")
+    with pytest.raises(ValueError, match="grammar"):
+        process("Hi", SamplingParams(max_tokens=1, structured_outputs=broken))
+
+
+def test_params_are_one_for_all_prompts_or_one_per_prompt():
+    one = SamplingParams(max_tokens=3)
+    assert broadcast_params(None, 2) == [SamplingParams(), SamplingParams()]
+    assert broadcast_params(one, 3) == [one, one, one]
+    each = [SamplingParams(max_tokens=1), SamplingParams(max_tokens=2)]
+    assert broadcast_params(each, 2) == each and broadcast_params(tuple(each), 2) == each
+    assert type(broadcast_params(tuple(each), 2)) is list
+    with refused(ValueError, "got 2 SamplingParams for 3 prompts; pass one, or one per prompt"):
+        broadcast_params(each, 3)
+    with refused(TypeError, "sampling_params must be SamplingParams, got dict"):
+        broadcast_params([one, {}], 2)
+    with refused(TypeError, "sampling_params must be SamplingParams or a list of them, got str"):
+        broadcast_params("greedy", 1)
+
+
+# --- the async front end's streams, with a stand-in core ---------------------------------------
+
+NO_TEXT = SamplingParams(max_tokens=4, detokenize=False)  # the stand-in tokenizer has no text
+
+
+class StandInClient(EngineCoreClient):
+    """A core that runs nothing: it records what the front end asks of it."""
+
+    def __init__(self) -> None:
+        self.tokenizer = CHARACTERS
+        self.processor = Processor(CHARACTERS, vocab_size=200, max_model_len=64)
+        self.max_model_len, self.model_path = 64, None
+        self.added: list[AddRequest] = []
+        self.aborted: list[list[str]] = []
+
+    def start(self, on_outputs, on_failure) -> None:
+        pass
+
+    def add_request(self, request: AddRequest) -> None:
+        self.added.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.aborted.append(request_ids)
+
+    def abort_sequences(self, sequences) -> None:
+        raise AssertionError("not expected here")
+
+    def call_engine(self, function, *args):
+        raise AssertionError("not expected here")
+
+    def get_replica_metrics(self):
+        raise AssertionError("not expected here")
+
+    def shutdown(self) -> None:
+        pass
+
+
+def core_delta(core_id: str, token_id: int, finished: bool = False) -> RequestOutput:
+    completion = CompletionOutput(0, "", [token_id], finish_reason="length" if finished else None)
+    return RequestOutput(core_id, None, [], [completion], finished)
+
+
+def test_a_stream_ends_after_raising_its_requests_error():
+    """The core refused a request: its stream raises the error once, then ends like any
+    finished stream (an iterator that keeps raising would loop its reader forever)."""
+    llm = AsyncLLM(StandInClient())
+
+    async def read():
+        stream = llm.add_request("r", "Hi", NO_TEXT)
+        llm._deliver(EngineCoreOutputs([], errors={stream.core_id: ValueError("refused")}))
+        with pytest.raises(ValueError, match="refused"):
+            await anext(stream)
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return llm.num_open_requests
+
+    assert asyncio.run(read()) == 0
+
+
+def test_a_request_waits_until_its_first_output():
+    """num_waiting (what max_waiting_requests bounds) counts streams without an output yet."""
+    llm = AsyncLLM(StandInClient())
+
+    async def waiting_before_and_after():
+        first = llm.add_request("a", "Hi", NO_TEXT)
+        llm.add_request("b", "Hi", NO_TEXT)
+        before = llm.num_waiting
+        llm._deliver(EngineCoreOutputs([core_delta(first.core_id, 7)]))
+        return before, llm.num_waiting, (await anext(first)).outputs[0].token_ids
+
+    assert asyncio.run(waiting_before_and_after()) == (2, 1, [7])
+
+
+def test_a_new_event_loop_aborts_the_streams_a_closed_one_left_open():
+    """asyncio.run twice: the first loop closed with request "a" open, which nobody can read
+    any more; the second loop's first request aborts it in the core and in the output
+    processor, and only "b" is left open."""
+    client = StandInClient()
+    llm = AsyncLLM(client)
+
+    async def add(request_id: str) -> str:
+        return llm.add_request(request_id, "Hi", NO_TEXT).core_id
+
+    left_open = asyncio.run(add("a"))
+    kept = asyncio.run(add("b"))
+    assert client.aborted == [[left_open]]
+    assert list(llm.output_processor.requests) == [kept]
+    assert llm.num_open_requests == 1 and [r.request_id for r in client.added] == [left_open, kept]
