@@ -359,6 +359,11 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.engine.async_llm.xǁRequestStreamǁ__anext____mutmut_6": (
         "unread = False -> None: it is read only as a truth value, and None is false"
     ),
+    "minivllm.engine.core_client.xǁMPClientǁ_receive_outputs__mutmut_9": (
+        "a core's sentinel registered with the poller's default flags (POLLIN | POLLOUT) instead"
+        " of POLLIN: a process sentinel is the read end of a pipe, which is never writable, so"
+        " only its end of file wakes the poll either way"
+    ),
     "minivllm.engine.core_client.xǁInprocClientǁ_run__mutmut_4": (
         "the thread steps the core even without work: EngineCore.step steps the engine only"
         " when it has unfinished requests, and an empty report is not sent"

@@ -425,7 +425,8 @@ def test_mp_client_starts_one_spawned_plain_engine_core_per_replica(model_dir):
     daemon (a core may start tensor-parallel workers, which a daemon may not), named and
     numbered by its index; each runs one engine with one pool of the configured size (the data
     parallelism is the client's, not nested in the cores), and the client routes by prefix in
-    the engine's blocks."""
+    the engine's blocks. Its queues to and from each core have no bound (a high-water mark of
+    0): a send never waits for a busy core to read, a report never waits for the front end."""
     config = EngineConfig(model=str(model_dir), **{**SETTINGS, "data_parallel_size": 2})
     client = MPClient(config)
     try:
@@ -434,6 +435,8 @@ def test_mp_client_starts_one_spawned_plain_engine_core_per_replica(model_dir):
             assert core.process.name == f"minivllm-engine-core-{core.index}"
             assert core.process.daemon is False
             assert isinstance(core.process, multiprocessing.context.SpawnProcess)
+            assert core.inputs.getsockopt(zmq.SNDHWM) == 0
+            assert core.outputs.getsockopt(zmq.RCVHWM) == 0
         assert client.prefix_affinity.block_size == config.block_size
         client.start(lambda report: None, lambda error: None)
         # A daemon: a client nobody shut down must not keep the interpreter from exiting.

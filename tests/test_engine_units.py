@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import os
 import pickle
 import re
 import shutil
@@ -1004,6 +1005,7 @@ class StandInProcess:
     alive: bool = True
     pid: int = 4242
     exitcode: int | None = None
+    sentinel: int | None = None  # a file descriptor that is readable once the process ended
     joins: list = field(default_factory=list)
 
     def is_alive(self) -> bool:
@@ -1213,6 +1215,87 @@ def test_a_cores_failure_message_ends_the_engine_with_its_error_and_traceback():
     assert raised.value.__cause__ is error
     assert type(error.__cause__) is RemoteTraceback
     assert error.__cause__.text == "Traceback: in the core"
+
+
+class WatchedSocket(StandInSocket):
+    """A stand-in socket a zmq.Poller can watch (its file descriptor never becomes readable).
+    `late` messages arrive just after its first empty read: a core's last words may come
+    between two reads of the output thread."""
+
+    def __init__(self, late=()) -> None:
+        super().__init__()
+        self.late = list(late)
+        self.never_readable, self.writer = os.pipe()
+
+    def fileno(self) -> int:
+        return self.never_readable
+
+    def recv_pyobj(self, flags=0):
+        try:
+            return super().recv_pyobj(flags)
+        except zmq.Again:
+            self.arrived.extend(self.late)
+            self.late = []
+            raise
+
+
+@pytest.fixture
+def dying_cores():
+    """An MPClient's output thread over two stand-in cores, of which core 1's process has
+    just exited (exit code -9); its sentinel is the read end of a closed pipe, as a process
+    sentinel is. Core 1 has a call pending."""
+    client = mp_client(2)
+    sentinel, writer = os.pipe()
+    os.close(writer)  # the process ended
+    client.cores[1].process = StandInProcess(alive=False, exitcode=-9, sentinel=sentinel)
+    client.cores[0].process = StandInProcess(sentinel=os.pipe()[0])
+    for core in client.cores:
+        core.outputs = WatchedSocket()
+    client.cores[1].calls.append(Future())
+    yield client
+    for core in client.cores:
+        os.close(core.process.sentinel)
+        os.close(core.outputs.never_readable)
+        os.close(core.outputs.writer)
+
+
+def test_a_core_that_dies_ends_the_engine_with_its_last_words(dying_cores):
+    """Core 1's report and its Failed arrive only after the thread's first read: the thread
+    reads once more when the process has ended, delivers the report, and ends the engine with
+    the core's own error, which the pending call gets too, and which the client remembers."""
+    client = dying_cores
+    report = EngineCoreOutputs([], num_running=1)
+    client.cores[1].outputs.late = [
+        report,
+        Failed(ValueError("out of memory"), "Traceback: in the core"),
+    ]
+    pending = client.cores[1].calls[0]
+    reports, failures = [], []
+    client._receive_outputs(reports.append, failures.append)
+    assert reports == [report]
+    (failure,) = failures
+    assert str(failure) == "the engine core 1 failed: ValueError: out of memory"
+    assert client.state.failure is failure and client.cores[1].calls == deque()
+    assert type(pending.exception(0)) is EngineDeadError
+    assert str(pending.exception(0)) == f"the engine stopped: {failure}"
+
+
+def test_a_core_that_dies_silently_is_named_with_its_exit_code(dying_cores):
+    client = dying_cores
+    failures = []
+    client._receive_outputs(lambda report: None, failures.append)
+    (failure,) = failures
+    assert type(failure) is EngineDeadError
+    assert str(failure) == "the engine core process 1 (pid 4242) died with exit code -9"
+    assert client.cores[1].process.joins == [5]  # reaped, so the exit code is known
+
+
+def test_a_core_that_exits_during_a_shutdown_ends_the_thread_quietly(dying_cores):
+    client = dying_cores
+    client.state.closing = True
+    pending = client.cores[1].calls[0]
+    client._receive_outputs(lambda report: None, lambda error: pytest.fail(f"told: {error}"))
+    assert client.state.failure is None and not pending.done()
 
 
 def test_generate_hands_the_requests_priority_to_add_request():
