@@ -21,7 +21,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 
 import pytest
@@ -29,7 +29,7 @@ import zmq
 
 from minivllm.core.prefix_cache import PrefixCacheStats, hash_blocks
 from minivllm.core.scheduler import SpecDecodeStats
-from minivllm.engine import core_client
+from minivllm.engine import core_client, output_processor
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core import (
     AbortRequests,
@@ -1413,12 +1413,14 @@ class StandInDetokenizer:
     stop_at: int | None = None
     fed: list[int] = field(default_factory=list)
     taken: int = 0
+    finished_flags: list[bool] = field(default_factory=list)  # of each take_new_text
 
     def append_token(self, token_id: int) -> str | None:
         self.fed.append(token_id)
         return "STOP" if token_id == self.stop_at else None
 
     def take_new_text(self, finished: bool) -> str:
+        self.finished_flags.append(finished)
         text = "".join(f"<{token_id}>" for token_id in self.fed[self.taken :])
         self.taken = len(self.fed)
         return text
@@ -1489,6 +1491,87 @@ def test_a_sequence_stopped_by_a_string_ends_alone_and_sends_nothing_more():
     assert (late.token_ids, late.text, late.finish_reason) == ([], "", "stop")
     assert (going_on.token_ids, going_on.text) == ([9], "<9>")
     assert stopped.fed == [5] and second.sequences_to_abort == []
+
+
+def test_a_request_gets_a_sequence_per_completion_each_with_its_own_detokenizer(monkeypatch):
+    """n=3: three sequences, each with a detokenizer made from the prompt and the user's
+    params; a cumulative logprob starts at 0.0 when logprobs are asked for, else None; no
+    text asked for, no detokenizer."""
+    made = []
+
+    def for_params(tokenizer, prompt_token_ids, params):
+        made.append((tokenizer, prompt_token_ids, params))
+        return StandInDetokenizer()
+
+    monkeypatch.setattr(
+        output_processor, "IncrementalDetokenizer", SimpleNamespace(for_params=for_params)
+    )
+    processor = OutputProcessor(CHARACTERS)
+    params = SamplingParams(n=3, logprobs=2)
+    processor.add_request("r", [1, 2], params)
+    state = processor.requests["r"]
+    assert state.params is params and made == [(CHARACTERS, [1, 2], params)] * 3
+    detokenizers = [sequence.detokenizer for sequence in state.sequences]
+    assert len({id(d) for d in detokenizers}) == 3 and all(detokenizers)
+    assert [sequence.cumulative_logprob for sequence in state.sequences] == [0.0] * 3
+    processor.add_request("quiet", [1], SamplingParams(detokenize=False))
+    (sequence,) = processor.requests["quiet"].sequences
+    assert (sequence.detokenizer, sequence.cumulative_logprob) == (None, None) and len(made) == 3
+
+
+def test_without_a_stop_string_a_delta_keeps_the_cores_verdict_and_gets_its_text():
+    """The core's finish reason, stop reason, error and cumulative logprob pass through; the
+    text is what the detokenizer releases, told whether the sequence has finished; logprobs get
+    their tokens' text."""
+    detokenizer = StandInDetokenizer()
+    processor = processor_with(detokenizer)
+    going_on = CompletionOutput(0, "", [4], -1.0, [{4: Logprob(-1.0, 1)}])
+    (output,) = processor.process_outputs([delta(going_on)]).outputs
+    assert output.outputs[0].logprobs == [{4: Logprob(-1.0, 1, "<4>")}]
+    assert (output.outputs[0].text, output.finished) == ("<4>", False)
+    failed = CompletionOutput(0, "", [5], -3.0, None, "error", 7, "the grammar broke")
+    (output,) = processor.process_outputs([delta(failed, finished=True)]).outputs
+    completion = output.outputs[0]
+    assert (completion.finish_reason, completion.stop_reason) == ("error", 7)
+    assert (completion.error, completion.cumulative_logprob) == ("the grammar broke", -3.0)
+    assert (completion.text, completion.token_ids, output.finished) == ("<5>", [5], True)
+    assert detokenizer.finished_flags == [False, True] and processor.requests == {}
+
+
+def test_without_text_a_delta_keeps_its_tokens_and_logprobs_as_the_core_sent_them():
+    processor = processor_with(StandInDetokenizer())
+    processor.requests["r"].sequences[0].detokenizer = None  # detokenize=False
+    logprobs = [{4: Logprob(-1.0, 1)}, {5: Logprob(-2.0, 1)}]
+    new = CompletionOutput(0, "", [4, 5], -3.0, logprobs, "length")
+    (output,) = processor.process_outputs([delta(new, finished=True)]).outputs
+    completion = output.outputs[0]
+    assert (completion.text, completion.token_ids, completion.logprobs) == ("", [4, 5], logprobs)
+    assert (completion.finish_reason, completion.cumulative_logprob) == ("length", -3.0)
+
+
+@pytest.mark.parametrize("detokenize", [True, False])
+def test_prompt_logprobs_get_their_text_only_when_text_is_asked_for(detokenize):
+    processor = processor_with(StandInDetokenizer())
+    processor.requests["r"].params = SamplingParams(detokenize=detokenize)
+    prompt_logprobs = [None, {5: Logprob(-1.0, 1)}]
+    first = replace(delta(CompletionOutput(0, "", [4])), prompt_logprobs=prompt_logprobs)
+    (output,) = processor.process_outputs([first]).outputs
+    if detokenize:
+        assert output.prompt_logprobs == [None, {5: Logprob(-1.0, 1, "<5>")}]
+    else:
+        assert output.prompt_logprobs is prompt_logprobs
+
+
+def test_outputs_of_unknown_requests_are_left_out_and_a_core_finish_is_not_aborted():
+    """A delta of a request aborted meanwhile is dropped. A request the core finished itself
+    is forgotten here without telling the core to abort it."""
+    processor = processor_with(StandInDetokenizer())
+    unknown = replace(delta(CompletionOutput(0, "", [4])), request_id="gone")
+    done = delta(CompletionOutput(0, "", [4], finish_reason="length"), finished=True)
+    processed = processor.process_outputs([unknown, done])
+    assert [output.request_id for output in processed.outputs] == ["r"]
+    assert processed.requests_to_abort == [] and processed.sequences_to_abort == []
+    assert processor.requests == {}
 
 
 def test_a_replicas_traceback_holds_its_text_in_args_and_survives_pickling():
