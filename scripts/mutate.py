@@ -2,7 +2,7 @@
 
     python scripts/mutate.py                 # every group, then mutation-scores.md
     python scripts/mutate.py spec_decode     # one group (the others keep their last scores)
-    python scripts/mutate.py --retest core   # only the mutants not killed last time
+    python scripts/mutate.py --retest core   # the mutants not killed or not run yet
     python scripts/mutate.py --report        # rewrite mutation-scores.md from the last runs
 
 The tool is mutmut 3 (cosmic-ray was the other candidate). mutmut writes every mutant of a
@@ -346,6 +346,14 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.structured_output.emptiness.x_matches_a_finite_string__mutmut_47": (
         "changed = False -> None: the loop reads it as a truth value only, and None is false"
     ),
+    "minivllm.engine.output_processor.x_core_params__mutmut_3": (
+        "stop=[] -> stop=None: replace() runs SamplingParams.__post_init__, which normalises"
+        " None to [], the same value"
+    ),
+    # A delta holds one completion per sequence: LLMEngine._request_output lists all n.
+    "minivllm.engine.output_processor.xǁOutputProcessorǁ_process__mutmut_4": _STRICT_ZIP,
+    "minivllm.engine.output_processor.xǁOutputProcessorǁ_process__mutmut_7": _STRICT_ZIP,
+    "minivllm.engine.output_processor.xǁOutputProcessorǁ_process__mutmut_8": _STRICT_ZIP,
     "minivllm.engine.output_processor.x_cumulative_logprob_after__mutmut_7": _STRICT_ZIP,
     "minivllm.engine.output_processor.x_cumulative_logprob_after__mutmut_10": _STRICT_ZIP,
     "minivllm.engine.output_processor.x_cumulative_logprob_after__mutmut_11": _STRICT_ZIP,
@@ -739,7 +747,9 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="only rewrite the score files")
     parser.add_argument("--clean", action="store_true", help="forget the results of past runs")
     parser.add_argument(
-        "--retest", action="store_true", help="run again the mutants not killed (after new tests)"
+        "--retest",
+        action="store_true",
+        help="run again the mutants not killed (after new tests), and those not run yet",
     )
     parser.add_argument(
         "--jobs", type=int, default=1, help="mutants run side by side (each on one core)"

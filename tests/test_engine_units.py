@@ -1476,21 +1476,34 @@ def test_a_stop_string_keeps_the_tokens_up_to_the_one_that_completed_it():
 def test_a_sequence_stopped_by_a_string_ends_alone_and_sends_nothing_more():
     """With two sequences, a stop string ends only its own: the core is told to abort that
     sequence, the request goes on, and what the core still sends of the stopped one is
-    replaced by its final state with nothing new."""
+    replaced by its final state with nothing new (no tokens, no text, no logprobs)."""
     stopped, running = StandInDetokenizer(stop_at=5), StandInDetokenizer()
     processor = processor_with(stopped, running)
-    first = processor.process_outputs(
-        [delta(CompletionOutput(0, "", [5], None, None), CompletionOutput(1, "", [8], None, None))]
-    )
+
+    def completion(index: int, token_id: int) -> CompletionOutput:
+        return CompletionOutput(index, "", [token_id], -1.0, [{token_id: Logprob(-1.0)}])
+
+    first = processor.process_outputs([delta(completion(0, 5), completion(1, 8))])
     assert first.sequences_to_abort == [("r", 0)] and first.requests_to_abort == []
     assert not first.outputs[0].finished
-    second = processor.process_outputs(
-        [delta(CompletionOutput(0, "", [6], None, None), CompletionOutput(1, "", [9], None, None))]
-    )
+    second = processor.process_outputs([delta(completion(0, 6), completion(1, 9))])
     late, going_on = second.outputs[0].outputs
-    assert (late.token_ids, late.text, late.finish_reason) == ([], "", "stop")
-    assert (going_on.token_ids, going_on.text) == ([9], "<9>")
+    assert (late.index, late.token_ids, late.text, late.logprobs) == (0, [], "", [])
+    assert (late.finish_reason, late.stop_reason) == ("stop", "STOP")
+    assert (going_on.index, going_on.token_ids, going_on.text) == (1, [9], "<9>")
     assert stopped.fed == [5] and second.sequences_to_abort == []
+
+
+def test_a_stop_string_in_a_later_delta_adds_to_the_cumulative_logprob_kept_so_far():
+    """The core's -1.0 after the first delta is remembered; the second delta's stop string
+    at token 5 keeps it (-2.0) and drops token 6: -3.0."""
+    processor = processor_with(StandInDetokenizer(stop_at=5))
+    processor.requests["r"].sequences[0].cumulative_logprob = 0.0  # logprobs asked for
+    first = CompletionOutput(0, "", [4], -1.0, [{4: Logprob(-1.0)}])
+    processor.process_outputs([delta(first)])
+    second = CompletionOutput(0, "", [5, 6], -7.0, [{5: Logprob(-2.0)}, {6: Logprob(-4.0)}])
+    (output,) = processor.process_outputs([delta(second)]).outputs
+    assert output.outputs[0].cumulative_logprob == -3.0
 
 
 def test_a_request_gets_a_sequence_per_completion_each_with_its_own_detokenizer(monkeypatch):
@@ -1863,6 +1876,78 @@ def test_a_request_waits_until_its_first_output():
         return before, llm.num_waiting, (await anext(first)).outputs[0].token_ids
 
     assert asyncio.run(waiting_before_and_after()) == (2, 1, [7])
+
+
+def test_listeners_and_streams_see_the_callers_request_id():
+    """The core knows a request by its own id; everything the caller sees (a listener's step
+    outputs, the stream's outputs) carries the caller's."""
+    llm = AsyncLLM(StandInClient())
+    steps = []
+    llm.add_listener(SimpleNamespace(on_step=lambda outputs, now: steps.append(outputs)))
+
+    async def deliver():
+        stream = llm.add_request("mine", "Hi", NO_TEXT)
+        assert stream.core_id != "mine"
+        llm._deliver(EngineCoreOutputs([core_delta(stream.core_id, 7)]))
+        return (await anext(stream)).request_id
+
+    assert asyncio.run(deliver()) == "mine"
+    assert [[output.request_id for output in outputs] for outputs in steps] == [["mine"]]
+
+
+def test_a_request_goes_to_the_core_with_its_priority_zero_by_default():
+    client = StandInClient()
+    llm = AsyncLLM(client)
+
+    async def add():
+        llm.add_request("plain", "Hi", NO_TEXT)
+        llm.add_request("urgent", "Hi", NO_TEXT, priority=-5)
+
+    asyncio.run(add())
+    assert [request.priority for request in client.added] == [0, -5]
+
+
+def test_a_request_is_refused_with_a_clear_error_when_its_id_is_taken_or_the_engine_stopped():
+    """The caller's id is in use while its stream is open. A failed core: every later request
+    is refused as "not running", the core's error as the cause; so after a shutdown."""
+    llm = AsyncLLM(StandInClient())
+
+    async def add(request_id: str):
+        return llm.add_request(request_id, "Hi", NO_TEXT)
+
+    async def add_twice():
+        await add("a")
+        await add("a")
+
+    with refused(ValueError, "request id 'a' is already in use"):
+        asyncio.run(add_twice())
+    crash = RuntimeError("the core crashed")
+    llm._on_failure(crash)
+    with refused(EngineDeadError, "the engine is not running") as raised:
+        asyncio.run(add("b"))
+    assert raised.value.__cause__ is crash
+    stopped = AsyncLLM(StandInClient())
+    stopped.shutdown()
+    with refused(EngineDeadError, "the engine is not running"):
+        asyncio.run(add_to(stopped))
+
+
+async def add_to(llm: AsyncLLM, request_id: str = "r"):
+    return llm.add_request(request_id, "Hi", NO_TEXT)
+
+
+def test_streams_open_in_a_live_event_loop_keep_another_loop_out():
+    """One loop at a time: while a loop that is still open has streams, a request from
+    another loop is refused (its streams could not be woken there)."""
+    llm = AsyncLLM(StandInClient())
+    first_loop = asyncio.new_event_loop()
+    try:
+        first_loop.run_until_complete(add_to(llm))
+        with refused(RuntimeError, "an AsyncLLM serves one event loop at a time"):
+            asyncio.run(add_to(llm, "other"))
+        assert llm.num_open_requests == 1
+    finally:
+        first_loop.close()
 
 
 def test_a_new_event_loop_aborts_the_streams_a_closed_one_left_open():
