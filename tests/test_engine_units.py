@@ -64,7 +64,7 @@ from minivllm.engine.data_parallel import (
     aggregate_metrics,
     picklable_error,
 )
-from minivllm.engine.deltas import OutputDeltas
+from minivllm.engine.deltas import OutputDeltas, merge_delta, new_request_output
 from minivllm.engine.llm_engine import LLMEngine, Metric, spec_decode_metric_rows
 from minivllm.engine.output_processor import (
     OutputProcessor,
@@ -376,6 +376,28 @@ def test_split_leaves_out_unknown_requests_and_forgets_finished_ones():
     assert [d.request_id for d in split] == ["r", "s"]
     assert [d.finished for d in split] == [True, False]
     assert list(deltas.progress) == ["s"]
+
+
+def test_the_front_ends_output_of_a_new_request_has_its_prompt_and_nothing_generated():
+    prompt_token_ids = (1, 2)
+    output = new_request_output("r", {"prompt": "Hi", "prompt_token_ids": prompt_token_ids})
+    assert output == RequestOutput("r", "Hi", [1, 2], [], False)
+    assert new_request_output("r", {"prompt_token_ids": [1]}).prompt is None
+
+
+def test_merging_a_delta_takes_its_latest_state_and_starts_logprobs_where_there_were_none():
+    """Growing fields are appended (logprobs too, from an empty list if the output had none
+    yet); everything else is the delta's: finish reason, metrics, cached tokens."""
+    output = new_request_output("r", {"prompt": None, "prompt_token_ids": [1]})
+    merge_delta(output, RequestOutput("r", None, [], [CompletionOutput(0, "a", [4])], False))
+    metrics = SimpleNamespace(first_token_time=1.5)
+    scored = CompletionOutput(0, "b", [5], -1.0, [{5: Logprob(-1.0)}], "length")
+    merge_delta(output, RequestOutput("r", None, [], [scored], True, metrics, 3))
+    (completion,) = output.outputs
+    assert (completion.text, completion.token_ids) == ("ab", [4, 5])
+    assert completion.logprobs == [{5: Logprob(-1.0)}]
+    assert (completion.finish_reason, completion.cumulative_logprob) == ("length", -1.0)
+    assert (output.finished, output.metrics, output.num_cached_tokens) == (True, metrics, 3)
 
 
 def test_forget_drops_the_given_requests_and_ignores_unknown_ones():
