@@ -539,6 +539,64 @@ def test_a_dead_replica_is_reaped_with_a_bounded_wait_and_named_with_its_exit_co
     assert process.joins[0] is not None and 0 < process.joins[0] <= 5
 
 
+def routing_engine(num_replicas: int) -> DataParallelEngine:
+    """A stand-in data-parallel engine that can take requests: the character tokenizer's
+    processor, blocks of 4 tokens, prefix affinity on."""
+    engine = data_parallel_engine(num_replicas)
+    engine.processor = Processor(CHARACTERS, vocab_size=200, max_model_len=64)
+    engine.config = SimpleNamespace(block_size=4)
+    engine.prefix_affinity = PrefixAffinity(4)
+    engine.pending = []
+    return engine
+
+
+def test_data_parallel_add_request_sends_the_checked_request_and_counts_its_sequences():
+    """The replica gets the processed prompt, the params and the priority (0 by default); it
+    is charged every sequence sent (n each), and the router knows where each request went. An
+    id in use is refused before anything is sent."""
+    engine = routing_engine(1)
+    (replica,) = engine.replicas
+    engine.add_request("a", "Hi", SamplingParams(n=2, max_tokens=1))
+    urgent = SamplingParams(n=3, max_tokens=1)
+    engine.add_request("b", "Hi", urgent, priority=-1)
+    prompt = {"prompt": "Hi", "prompt_token_ids": [72, 105], "cache_salt": None}
+    assert replica.conn.sent[1] == AddRequest("b", prompt, urgent, -1)
+    assert replica.conn.sent[0].priority == 0
+    assert replica.num_sent == 5 and engine.request_replica == {"a": replica, "b": replica}
+    with refused(ValueError, "request id 'a' is already in use"):
+        engine.add_request("a", "Hi", urgent)
+    assert len(replica.conn.sent) == 2
+
+
+def test_data_parallel_affinity_keeps_salted_prefixes_apart():
+    """Replica 1 holds the unsalted prefix of a prompt. The same tokens with a cache salt are
+    another prefix (prefix caching never shares across salts), so the tie goes to replica 0,
+    which is remembered as the salted prefix's owner."""
+    engine = routing_engine(2)
+    token_ids = list(range(10, 18))  # two full blocks
+    engine.prefix_affinity.remember(hash_blocks(token_ids, 4), 1)
+    engine.add_request("salted", {"prompt_token_ids": token_ids, "cache_salt": "user-7"}, ONE)
+    assert engine.request_replica["salted"].index == 0
+    salted = hash_blocks(token_ids, 4, "user-7")
+    assert engine.prefix_affinity.preferred_replica(salted) == 0
+
+
+def test_a_data_parallel_engine_with_outputs_still_to_hand_out_has_unfinished_work():
+    engine = routing_engine(1)
+    assert not engine.has_unfinished_requests()
+    engine.pending = [RequestOutput("a", None, [], [], True)]  # read while a call waited
+    assert engine.has_unfinished_requests()
+
+
+def test_a_data_parallel_shutdown_runs_its_finalizer_and_leaves_nothing_for_exit(monkeypatch):
+    engine = data_parallel_engine(1)
+    calls = []
+    engine._finalizer = lambda: calls.append("finalized")
+    monkeypatch.setattr(atexit, "unregister", calls.append)
+    engine.shutdown()
+    assert calls == ["finalized", engine._finalizer]
+
+
 def test_data_parallel_aborts_of_sequences_go_to_their_replicas_once_each():
     """Sequences of requests on replicas 0 and 1: each replica gets one call with its own
     sequences, in order; a request no replica has is ignored; the router keeps the requests
