@@ -146,9 +146,19 @@ _PICKLE_PROTOCOL = (
     " default"
 )
 _CORE_DP_SIZE = (
-    "a core's config keeps data_parallel_size (or gets 2) instead of 1: the core builds an"
-    " LLMEngine directly, which never reads it (only make_engine and the clients do); the 1"
-    " keeps the core's config truthful"
+    "a core's or replica's config keeps data_parallel_size (or gets 2) instead of 1: it builds"
+    " an LLMEngine directly, which never reads it (only make_engine and the clients do); the 1"
+    " keeps its config truthful"
+)
+_MODEL_AS_GIVEN = (
+    "the cores or replicas get the model as given instead of its resolved path: each resolves"
+    " it to the same directory; the front end resolves it first only so that they do not all"
+    " convert the embedded model at once, which the conversion tolerates"
+)
+_REPLICA_DEVICE_ON_CPU = (
+    "replica_device(config, None): on the CPU, where the tests run, it returns the config"
+    " whatever the index; on GPUs None * tensor_parallel_size raises at start, which the GPU"
+    " tests would catch"
 )
 _SOCKET_DIRECTORY = (
     "the socket directory's name prefix changed or dropped: mkdtemp makes a new private"
@@ -376,21 +386,17 @@ EQUIVALENT: dict[str, str] = {
         "the thread steps the core even without work: EngineCore.step steps the engine only"
         " when it has unfinished requests, and an empty report is not sent"
     ),
-    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_8": (
-        "the cores get the model as given instead of its resolved path: each resolves it to"
-        " the same directory; the front end resolves it first only so that the cores do not all"
-        " convert the embedded model at once, which the conversion tolerates"
-    ),
+    "minivllm.engine.data_parallel.xǁDataParallelEngineǁ__init____mutmut_10": _MODEL_AS_GIVEN,
+    "minivllm.engine.data_parallel.xǁDataParallelEngineǁ__init____mutmut_11": _CORE_DP_SIZE,
+    "minivllm.engine.data_parallel.xǁDataParallelEngineǁ__init____mutmut_13": _CORE_DP_SIZE,
+    "minivllm.engine.data_parallel.xǁDataParallelEngineǁ__init____mutmut_34": _REPLICA_DEVICE_ON_CPU,
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_8": _MODEL_AS_GIVEN,
     "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_9": _CORE_DP_SIZE,
     "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_11": _CORE_DP_SIZE,
     "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_18": _SOCKET_DIRECTORY,
     "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_19": _SOCKET_DIRECTORY,
     "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_20": _SOCKET_DIRECTORY,
-    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_38": (
-        "replica_device(config, None): on the CPU, where the tests run, it returns the config"
-        " whatever the index; on GPUs None * tensor_parallel_size raises at start, which the GPU"
-        " tests would catch"
-    ),
+    "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_38": _REPLICA_DEVICE_ON_CPU,
     "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_59": _ONE_CORE_AFFINITY,
     "minivllm.engine.core_client.xǁMPClientǁ__init____mutmut_61": _ONE_CORE_AFFINITY,
     "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_2": _SOCKET_NAMES,

@@ -63,6 +63,7 @@ from minivllm.engine.data_parallel import (
     StepReport,
     aggregate_metrics,
     picklable_error,
+    shutdown_replicas,
 )
 from minivllm.engine.deltas import OutputDeltas, merge_delta, new_request_output
 from minivllm.engine.llm_engine import LLMEngine, Metric, spec_decode_metric_rows
@@ -494,9 +495,16 @@ class StandInDuplex(StandInPipe):
     """A pipe both ways: records what is sent, hands out what `arrived` holds, in order."""
 
     arrived: deque = field(default_factory=deque)
+    closes: int = 0
 
     def recv(self):
         return self.arrived.popleft()
+
+    def poll(self) -> bool:
+        return bool(self.arrived)
+
+    def close(self) -> None:
+        self.closes += 1
 
 
 def test_data_parallel_call_all_returns_each_replicas_reply_and_keeps_reports_for_the_next_step():
@@ -595,6 +603,33 @@ def test_a_data_parallel_shutdown_runs_its_finalizer_and_leaves_nothing_for_exit
     monkeypatch.setattr(atexit, "unregister", calls.append)
     engine.shutdown()
     assert calls == ["finalized", engine._finalizer]
+
+
+def test_a_replicas_failed_message_is_raised_as_its_failure():
+    """A step report, then Failed: reading stops there with the replica's error."""
+    engine = data_parallel_engine(1)
+    (replica,) = engine.replicas
+    engine.request_replica = {"a": replica}
+    output = RequestOutput("a", None, [], [CompletionOutput(0, "", [4])], False)
+    replica.conn = StandInDuplex(
+        arrived=deque([StepReport([output], 0, 1, 1), Failed(ValueError("no memory"), "tb")])
+    )
+    with refused(RuntimeError, "data-parallel replica 0 failed: ValueError: no memory"):
+        engine.read_available(replica)
+
+
+def test_shutting_replicas_down_asks_each_to_stop_waits_and_closes_its_pipe():
+    """Each replica is told Shutdown (a gone one is skipped), each process is joined within
+    the shutdown's time, and every pipe is closed."""
+    replicas = [
+        Replica(index=i, conn=StandInDuplex(), process=StandInProcess(alive=False))
+        for i in range(2)
+    ]
+    replicas[0].conn.closed = True  # its replica is gone: the send raises
+    shutdown_replicas(replicas)
+    assert replicas[1].conn.sent == [Shutdown()]
+    for replica in replicas:
+        assert replica.conn.closes == 1 and len(replica.process.joins) == 1
 
 
 def test_data_parallel_aborts_of_sequences_go_to_their_replicas_once_each():
