@@ -403,6 +403,12 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_3": _SOCKET_NAMES,
     "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_4": _SOCKET_NAMES,
     "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_5": _SOCKET_NAMES,
+    "minivllm.engine.data_parallel.x_start_replica__mutmut_10": _INHERITED_DAEMON,
+    "minivllm.engine.data_parallel.x_start_replica__mutmut_14": _INHERITED_DAEMON,
+    "minivllm.engine.data_parallel.xǁDataParallelEngineǁ__init____mutmut_54": (
+        "PrefixAffinity(None) instead of the block size: the affinity keeps the value but nothing"
+        " reads it (the engine hashes prompts with its config's block size itself)"
+    ),
     "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_28": _INHERITED_DAEMON,
     "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_32": _INHERITED_DAEMON,
     "minivllm.engine.deltas.xǁOutputDeltasǁ_delta__mutmut_2": (

@@ -258,19 +258,29 @@ def test_both_replicas_serve_and_metrics_add_up(two):
     assert two.llm_engine.get_num_unfinished_requests() == 0
 
 
-def test_a_shared_prefix_follows_its_cache(two):
+def test_a_shared_prefix_follows_its_cache(model_dir):
     """Between equally idle replicas, a prompt goes where its prefix was last served, so it
-    finds it cached (the lowest index would have missed it)."""
-    assert two.reset_prefix_cache() is True
-    system = list(range(500, 532))  # two full blocks of 16
-    params = SamplingParams(temperature=0.0, max_tokens=2)
-    two.generate(
-        [{"prompt_token_ids": list(range(700, 740))}, {"prompt_token_ids": system + [1, 2]}],
-        params,
-        use_tqdm=False,
-    )  # the first prompt took replica 0, so the system prompt went to replica 1
-    follow_up = two.generate({"prompt_token_ids": system + [3, 4]}, params, use_tqdm=False)[0]
-    assert follow_up.num_cached_tokens == 32
+    finds it cached (the lowest index would have missed it). An engine of its own: what its
+    constructor sets up (the replicas' processes, the router's affinity) is what is checked.
+    Each replica is a fresh interpreter (spawned), not a daemon (it may start tensor-parallel
+    workers, which a daemon may not), named by its index."""
+    llm = LLM(model=model_dir, data_parallel_size=2, **SETTINGS)
+    try:
+        for replica in llm.llm_engine.replicas:
+            assert replica.process.name == f"minivllm-dp-replica-{replica.index}"
+            assert replica.process.daemon is False
+            assert isinstance(replica.process, multiprocessing.context.SpawnProcess)
+        system = list(range(500, 532))  # two full blocks of 16
+        params = SamplingParams(temperature=0.0, max_tokens=2)
+        llm.generate(
+            [{"prompt_token_ids": list(range(700, 740))}, {"prompt_token_ids": system + [1, 2]}],
+            params,
+            use_tqdm=False,
+        )  # the first prompt took replica 0, so the system prompt went to replica 1
+        follow_up = llm.generate({"prompt_token_ids": system + [3, 4]}, params, use_tqdm=False)[0]
+        assert follow_up.num_cached_tokens == 32
+    finally:
+        llm.llm_engine.shutdown()
 
 
 def test_an_overlong_prompt_is_refused_in_the_front_end_and_the_engine_goes_on(two):

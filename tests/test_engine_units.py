@@ -65,6 +65,7 @@ from minivllm.engine.data_parallel import (
     picklable_error,
     shutdown_replicas,
 )
+from minivllm.engine.data_parallel import wait_until_ready as dp_wait_until_ready
 from minivllm.engine.deltas import OutputDeltas, merge_delta, new_request_output
 from minivllm.engine.llm_engine import LLMEngine, Metric, spec_decode_metric_rows
 from minivllm.engine.output_processor import (
@@ -630,6 +631,18 @@ def test_shutting_replicas_down_asks_each_to_stop_waits_and_closes_its_pipe():
     assert replicas[1].conn.sent == [Shutdown()]
     for replica in replicas:
         assert replica.conn.closes == 1 and len(replica.process.joins) == 1
+
+
+def test_a_replica_is_ready_with_its_context_or_raises_its_startup_error_with_its_traceback():
+    ready = Replica(index=0, conn=StandInDuplex(arrived=deque([Ready(max_model_len=512)])))
+    assert dp_wait_until_ready(ready) == 512
+    error = ValueError("pool too small")
+    failed = Failed(error, "Traceback: in the replica")
+    broken = Replica(index=0, conn=StandInDuplex(arrived=deque([failed])))
+    with pytest.raises(ValueError, match="pool too small") as raised:
+        dp_wait_until_ready(broken)
+    assert raised.value is error and type(error.__cause__) is RemoteTraceback
+    assert error.__cause__.text == "Traceback: in the replica"
 
 
 def test_data_parallel_aborts_of_sequences_go_to_their_replicas_once_each():
