@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
+from minivllm.config import EngineConfig
 from minivllm.core.prefix_cache import PrefixCacheStats, hash_blocks
 from minivllm.core.scheduler import SpecDecodeStats
 from minivllm.engine import core_client, output_processor
@@ -1486,6 +1487,32 @@ def core_processes(tmp_path, output_thread) -> CoreProcesses:
         for i in range(2)
     ]
     return state
+
+
+def test_a_client_whose_core_cannot_start_raises_instead_of_hanging(monkeypatch, tmp_path):
+    """The first core's socket cannot bind (its directory is gone): MPClient shuts down and
+    raises the error. The sockets made for that core must be closed by then, or shutdown's
+    context.term() waits for them for ever. Nothing of the model is read before the cores
+    start, so a directory that only looks like a model will do."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    monkeypatch.setattr(core_client.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "gone"))
+    raised = []
+
+    def start() -> None:
+        try:
+            MPClient(EngineConfig(model=str(model)))
+        except BaseException as error:
+            raised.append(error)
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    starting.join(HANG_GUARD_S)
+    assert not starting.is_alive(), "MPClient hangs after a core failed to start"
+    (error,) = raised
+    assert type(error) is zmq.ZMQError and "gone/in-0" in str(error)
 
 
 def test_a_shutdown_stops_every_core_once_and_leaves_no_socket_thread_or_directory(tmp_path):

@@ -312,18 +312,26 @@ class MPClient(EngineCoreClient):
     def _start_core(self, index: int, config: EngineConfig, num_threads: int) -> CoreProcess:
         addresses = [f"ipc://{self.state.ipc_dir}/{name}-{index}" for name in ("in", "out")]
         inputs = self.state.context.socket(zmq.PUSH)
-        inputs.setsockopt(zmq.SNDHWM, 0)  # never drop or refuse a message: queue it
-        inputs.bind(addresses[0])
         outputs = self.state.context.socket(zmq.PULL)
-        outputs.setsockopt(zmq.RCVHWM, 0)
-        outputs.bind(addresses[1])
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core,
-            args=(config, *addresses, num_threads),
-            name=f"minivllm-engine-core-{index}",
-            daemon=False,
-        )
-        process.start()
+        try:
+            inputs.setsockopt(zmq.SNDHWM, 0)  # never drop or refuse a message: queue it
+            inputs.bind(addresses[0])
+            outputs.setsockopt(zmq.RCVHWM, 0)
+            outputs.bind(addresses[1])
+            process = multiprocessing.get_context("spawn").Process(
+                target=run_engine_core,
+                args=(config, *addresses, num_threads),
+                name=f"minivllm-engine-core-{index}",
+                daemon=False,
+            )
+            process.start()
+        except BaseException:
+            # Not a core of state.cores yet, so shutdown() would not close these, and its
+            # context.term() waits for every socket of the context: the start-up error would
+            # become a hang.
+            inputs.close(linger=0)
+            outputs.close(linger=0)
+            raise
         return CoreProcess(index=index, process=process, inputs=inputs, outputs=outputs)
 
     @property
