@@ -377,6 +377,24 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.engine.async_llm.xǁRequestStreamǁ__anext____mutmut_6": (
         "unread = False -> None: it is read only as a truth value, and None is false"
     ),
+    "minivllm.engine.core_client.xǁMPClientǁ_receive_outputs__mutmut_5": (
+        "a core's output socket registered with the poller's default flags (POLLIN | POLLOUT)"
+        " instead of POLLIN: a PULL socket cannot send, so it is never writable and only a"
+        " message wakes the poll either way"
+    ),
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_38": (
+        "linger=0 -> 1 when a core failed to start: nothing was ever sent on its socket, so"
+        " there is nothing to linger over and it closes at once either way"
+    ),
+    "minivllm.engine.core_client.x_wait_until_ready__mutmut_5": (
+        "the wait between two looks at a starting core's process, 100 -> 101 ms: the same"
+        " checks, one millisecond later at most"
+    ),
+    "minivllm.engine.core_client.x_wait_until_ready__mutmut_7": (
+        "time > deadline -> time >= deadline: the two differ only at the one instant equal to"
+        " the deadline (STARTUP_TIMEOUT_S after the start), and then only by one more poll of"
+        " 100 ms"
+    ),
     "minivllm.engine.core_client.xǁMPClientǁ_receive_outputs__mutmut_9": (
         "a core's sentinel registered with the poller's default flags (POLLIN | POLLOUT) instead"
         " of POLLIN: a process sentinel is the read end of a pipe, which is never writable, so"

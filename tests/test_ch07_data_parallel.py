@@ -258,7 +258,7 @@ def test_both_replicas_serve_and_metrics_add_up(two):
     assert two.llm_engine.get_num_unfinished_requests() == 0
 
 
-def test_a_shared_prefix_follows_its_cache(model_dir):
+def test_a_new_engine_sends_a_shared_prefix_where_it_is_cached(model_dir):
     """Between equally idle replicas, a prompt goes where its prefix was last served, so it
     finds it cached (the lowest index would have missed it). An engine of its own: what its
     constructor sets up (the replicas' processes, the router's affinity) is what is checked.

@@ -1427,6 +1427,28 @@ def test_a_core_that_exits_during_a_shutdown_ends_the_thread_quietly(dying_cores
     assert client.state.failure is None and not pending.done()
 
 
+def test_the_output_thread_sleeps_while_its_cores_are_quiet(dying_cores):
+    """Core 1 lives for a while and sends nothing: the thread waits in its poll for a message
+    or a process's end, instead of reading the sockets over and over (a stand-in socket
+    fails a thread that reads it empty 100 times)."""
+    client = dying_cores
+    sentinel, writer = os.pipe()  # core 1's process, alive until the writer is closed
+    os.close(client.cores[1].process.sentinel)
+    client.cores[1].process.sentinel = sentinel
+    failures = []
+    thread = threading.Thread(
+        target=client._receive_outputs, args=(lambda report: None, failures.append)
+    )
+    thread.start()
+    time.sleep(0.3)
+    os.close(writer)  # now it exits
+    thread.join(HANG_GUARD_S)
+    (failure,) = failures
+    assert str(failure) == "the engine core process 1 (pid 4242) died with exit code -9"
+    # One wake-up (the exit): each core read once, core 1 once more for any last words.
+    assert [core.outputs.empty_polls for core in client.cores] == [1, 2]
+
+
 def test_generate_hands_the_requests_priority_to_add_request():
     """AsyncLLM.generate passes its priority through, 0 when none is given (a lower value runs
     first under the priority policy, so a changed default would reorder every request)."""
@@ -1659,6 +1681,17 @@ def test_a_stop_string_in_a_later_delta_adds_to_the_cumulative_logprob_kept_so_f
     second = CompletionOutput(0, "", [5, 6], -7.0, [{5: Logprob(-2.0)}, {6: Logprob(-4.0)}])
     (output,) = processor.process_outputs([delta(second)]).outputs
     assert output.outputs[0].cumulative_logprob == -3.0
+
+
+def test_sequences_stopped_in_several_requests_of_one_step_are_all_aborted():
+    processor = processor_with(StandInDetokenizer(stop_at=5), StandInDetokenizer())
+    processor.requests["s"] = RequestState(
+        SamplingParams(n=2),
+        [SequenceState(StandInDetokenizer(stop_at=5), None), SequenceState(None, None)],
+    )
+    two = [CompletionOutput(0, "", [5]), CompletionOutput(1, "", [8])]
+    step = [delta(*two), replace(delta(*two), request_id="s")]
+    assert processor.process_outputs(step).sequences_to_abort == [("r", 0), ("s", 0)]
 
 
 def test_a_request_gets_a_sequence_per_completion_each_with_its_own_detokenizer(monkeypatch):
