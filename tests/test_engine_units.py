@@ -30,7 +30,7 @@ import zmq
 from minivllm.config import EngineConfig
 from minivllm.core.prefix_cache import PrefixCacheStats, hash_blocks
 from minivllm.core.scheduler import SpecDecodeStats
-from minivllm.engine import core_client, output_processor
+from minivllm.engine import core_client, data_parallel, output_processor
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.engine.core import (
     AbortRequests,
@@ -51,6 +51,7 @@ from minivllm.engine.core_client import (
     wait_until_ready,
 )
 from minivllm.engine.data_parallel import (
+    SHUTDOWN_TIMEOUT_S,
     AddRequest,
     DataParallelEngine,
     EngineCall,
@@ -65,10 +66,11 @@ from minivllm.engine.data_parallel import (
     aggregate_metrics,
     picklable_error,
     shutdown_replicas,
+    stop_processes,
 )
 from minivllm.engine.data_parallel import wait_until_ready as dp_wait_until_ready
 from minivllm.engine.deltas import OutputDeltas, merge_delta, new_request_output
-from minivllm.engine.llm_engine import LLMEngine, Metric, spec_decode_metric_rows
+from minivllm.engine.llm_engine import LLMEngine, Metric, eos_token_ids, spec_decode_metric_rows
 from minivllm.engine.output_processor import (
     OutputProcessor,
     RequestState,
@@ -266,6 +268,32 @@ def test_aborting_the_last_running_sequence_forgets_the_request():
     engine.abort_sequences([("r", 1)])
     assert scheduler.aborted == ["r#1"]
     assert engine.requests == {"s": [other]}
+
+
+def test_aborting_an_unknown_or_finished_request_does_nothing():
+    scheduler = RecordingScheduler()
+    engine = engine_with({}, scheduler)
+    engine.abort_request("never-seen")
+    engine.abort_request(["gone", "also-gone"])
+    assert scheduler.aborted == [] and engine.requests == {}
+
+
+@pytest.mark.parametrize(
+    ("config_ids", "tokenizer_id", "expected"),
+    [
+        (2, 2, (2,)),  # an int, the tokenizer's the same: once
+        ([5, 2], 2, (5, 2)),  # a list, in order, the tokenizer's already there
+        ((7,), 9, (7, 9)),  # any sequence; the tokenizer's added last
+        (None, 9, (9,)),  # the config names none
+        (None, None, ()),
+    ],
+)
+def test_eos_ids_come_from_the_config_and_the_tokenizer_once_each(
+    config_ids, tokenizer_id, expected
+):
+    config = SimpleNamespace() if config_ids is None else SimpleNamespace(eos_token_id=config_ids)
+    tokenizer = SimpleNamespace(eos_token_id=tokenizer_id)
+    assert eos_token_ids(config, tokenizer) == expected
 
 
 def test_unfinished_requests_are_the_waiting_and_the_running_ones():
@@ -644,6 +672,54 @@ def test_a_replica_is_ready_with_its_context_or_raises_its_startup_error_with_it
         dp_wait_until_ready(broken)
     assert raised.value is error and type(error.__cause__) is RemoteTraceback
     assert error.__cause__.text == "Traceback: in the replica"
+
+
+@dataclass
+class StubbornProcess:
+    """A process that stops only when terminated (or killed, if `ignores_terminate`); its
+    joins record their timeouts and, on the shared clock, take all of it while it runs."""
+
+    clock: list[float]
+    ignores_terminate: bool = False
+    alive: bool = True
+    joins: list = field(default_factory=list)
+    signals: list[str] = field(default_factory=list)
+
+    def join(self, timeout=None) -> None:
+        self.joins.append(timeout)
+        if self.alive and timeout is not None:
+            self.clock[0] += timeout
+
+    def is_alive(self) -> bool:
+        return self.alive
+
+    def terminate(self) -> None:
+        self.signals.append("terminate")
+        self.alive = self.ignores_terminate
+
+    def kill(self) -> None:
+        self.signals.append("kill")
+        self.alive = False
+
+
+def test_stopping_processes_shares_one_deadline_then_terminates_then_kills(monkeypatch):
+    """Asked to stop, neither process does: the first is given the whole SHUTDOWN_TIMEOUT_S,
+    the second what is left of it (nothing), not a time of its own. Then each is terminated
+    and given 2 s; one that ignores that is killed and waited for."""
+    clock = [100.0]
+    monkeypatch.setattr(data_parallel.time, "monotonic", lambda: clock[0])
+    polite, stubborn = StubbornProcess(clock), StubbornProcess(clock, ignores_terminate=True)
+    stop_processes([polite, stubborn])
+    assert polite.joins == [SHUTDOWN_TIMEOUT_S, 2] and polite.signals == ["terminate"]
+    assert stubborn.joins == [0.0, 2, None] and stubborn.signals == ["terminate", "kill"]
+
+
+def test_a_process_that_stops_when_asked_is_not_terminated(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(data_parallel.time, "monotonic", lambda: clock[0])
+    stopped = StubbornProcess(clock, alive=False)
+    stop_processes([stopped])
+    assert stopped.joins == [SHUTDOWN_TIMEOUT_S] and stopped.signals == []
 
 
 def test_data_parallel_aborts_of_sequences_go_to_their_replicas_once_each():
