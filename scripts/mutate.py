@@ -150,6 +150,11 @@ _CORE_DP_SIZE = (
     " an LLMEngine directly, which never reads it (only make_engine and the clients do); the 1"
     " keeps its config truthful"
 )
+_NOTHING_TO_LINGER = (
+    "a socket of a core that failed to start closed with linger None (the default, forever)"
+    " or 1 ms instead of 0: nothing was ever sent on it, so there is nothing to linger over"
+    " and it closes at once either way"
+)
 _MODEL_AS_GIVEN = (
     "the cores or replicas get the model as given instead of its resolved path: each resolves"
     " it to the same directory; the front end resolves it first only so that they do not all"
@@ -382,10 +387,10 @@ EQUIVALENT: dict[str, str] = {
         " instead of POLLIN: a PULL socket cannot send, so it is never writable and only a"
         " message wakes the poll either way"
     ),
-    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_38": (
-        "linger=0 -> 1 when a core failed to start: nothing was ever sent on its socket, so"
-        " there is nothing to linger over and it closes at once either way"
-    ),
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_37": _NOTHING_TO_LINGER,
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_38": _NOTHING_TO_LINGER,
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_39": _NOTHING_TO_LINGER,
+    "minivllm.engine.core_client.xǁMPClientǁ_start_core__mutmut_40": _NOTHING_TO_LINGER,
     "minivllm.engine.core_client.x_wait_until_ready__mutmut_5": (
         "the wait between two looks at a starting core's process, 100 -> 101 ms: the same"
         " checks, one millisecond later at most"

@@ -296,6 +296,30 @@ def test_eos_ids_come_from_the_config_and_the_tokenizer_once_each(
     assert eos_token_ids(config, tokenizer) == expected
 
 
+@dataclass
+class LookingUpScheduler:
+    """A step that only looks up prompts in the prefix cache (3 tokens, 2 found) and
+    schedules nothing to run."""
+
+    prefix_cache_stats: PrefixCacheStats = field(default_factory=lambda: PrefixCacheStats(10, 4))
+
+    def schedule(self) -> SimpleNamespace:
+        self.prefix_cache_stats.queries += 3
+        self.prefix_cache_stats.hits += 2
+        return SimpleNamespace(is_empty=True)
+
+    def update_from_output(self, scheduler_output, runner_output) -> list:
+        return []
+
+
+def test_a_step_counts_the_prefix_cache_lookups_it_made_itself():
+    """The last step's queries and hits (what the hit-rate gauge of one step shows) are the
+    counters' growth during the step, not their totals."""
+    engine = engine_with({}, LookingUpScheduler())
+    assert engine.step() == []
+    assert engine.last_step_prefix_cache == (3, 2)
+
+
 def test_unfinished_requests_are_the_waiting_and_the_running_ones():
     scheduler = RecordingScheduler(waiting=["a", "b"], running=["c", "d", "e"])
     assert engine_with({}, scheduler).get_num_unfinished_requests() == 5
