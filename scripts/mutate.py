@@ -405,6 +405,13 @@ EQUIVALENT: dict[str, str] = {
         " of POLLIN: a process sentinel is the read end of a pipe, which is never writable, so"
         " only its end of file wakes the poll either way"
     ),
+    "minivllm.engine.llm_engine.xǁLLMEngineǁstep__mutmut_7": (
+        "an empty step's runner output None instead of an empty one: update_from_output reads"
+        " it only for the requests scheduled, and an empty step schedules none"
+    ),
+    "minivllm.engine.llm_engine.xǁLLMEngineǁstep__mutmut_20": (
+        'parent_ids[...] = None -> "": the dict is an ordered set, its values are never read'
+    ),
     "minivllm.engine.core_client.xǁInprocClientǁ_run__mutmut_4": (
         "the thread steps the core even without work: EngineCore.step steps the engine only"
         " when it has unfinished requests, and an empty report is not sent"

@@ -320,6 +320,34 @@ def test_a_step_counts_the_prefix_cache_lookups_it_made_itself():
     assert engine.last_step_prefix_cache == (3, 2)
 
 
+def test_a_request_output_is_its_first_sequences_prompt_and_every_sequences_completion():
+    """n=2: the prompt, its ids, the metrics, the cached tokens and the prompt's logprobs are
+    the first sequence's (they share the prompt); one completion per sequence; finished once
+    both are."""
+
+    def sequence(index: int, finished: bool) -> SimpleNamespace:
+        completion = CompletionOutput(index, f"text {index}", [index])
+        return SimpleNamespace(
+            prompt="Hi" if index == 0 else "not read",
+            prompt_token_ids=[1, 2],
+            metrics=f"metrics of {index}",
+            num_cached_tokens=16 * (index + 1),
+            prompt_logprobs=[None, {2: Logprob(-1.0)}],
+            has_all_prompt_logprobs=True,
+            is_finished=finished,
+            completion_output=lambda: completion,
+        )
+
+    engine = engine_with({"r": [sequence(0, True), sequence(1, False)]}, RecordingScheduler())
+    output = engine._request_output("r")
+    assert (output.request_id, output.prompt, output.prompt_token_ids) == ("r", "Hi", [1, 2])
+    assert (output.metrics, output.num_cached_tokens) == ("metrics of 0", 16)
+    assert output.prompt_logprobs == [None, {2: Logprob(-1.0)}]
+    assert [c.text for c in output.outputs] == ["text 0", "text 1"] and not output.finished
+    engine.requests["r"][1].is_finished = True
+    assert engine._request_output("r").finished
+
+
 def test_unfinished_requests_are_the_waiting_and_the_running_ones():
     scheduler = RecordingScheduler(waiting=["a", "b"], running=["c", "d", "e"])
     assert engine_with({}, scheduler).get_num_unfinished_requests() == 5
