@@ -346,6 +346,30 @@ def test_a_request_output_is_its_first_sequences_prompt_and_every_sequences_comp
     assert [c.text for c in output.outputs] == ["text 0", "text 1"] and not output.finished
     engine.requests["r"][1].is_finished = True
     assert engine._request_output("r").finished
+    engine.requests["r"][0].has_all_prompt_logprobs = False  # still scoring the prompt
+    assert engine._request_output("r").prompt_logprobs is None
+
+
+def test_add_request_queues_one_sequence_per_completion_with_the_requests_settings():
+    """n=2: sequences "r#0" and "r#1", each with its index, the prompt's text and ids, the
+    request's cache salt and priority (0 by default), and the user's id as their parent."""
+    queued = []
+    engine = engine_with({}, SimpleNamespace(add_request=queued.append))
+    engine.processor = Processor(CHARACTERS, vocab_size=200, max_model_len=64)
+    engine.tokenizer, engine.eos_token_ids, engine.max_model_len = CHARACTERS, (0,), 64
+    params = SamplingParams(n=2, max_tokens=2, detokenize=False)
+    engine.add_request("r", {"prompt": "Hi", "cache_salt": "s"}, params)
+    engine.add_request("urgent", "Yo", SamplingParams(max_tokens=2, detokenize=False), priority=-3)
+    assert [(q.request_id, q.index, q.parent_request_id) for q in queued] == [
+        ("r#0", 0, "r"),
+        ("r#1", 1, "r"),
+        ("urgent#0", 0, "urgent"),
+    ]
+    assert [(q.prompt, q.prompt_token_ids, q.cache_salt) for q in queued[:2]] == [
+        ("Hi", [72, 105], "s")
+    ] * 2
+    assert [q.priority for q in queued] == [0, 0, -3] and queued[2].cache_salt is None
+    assert engine.requests["r"] == queued[:2]
 
 
 def test_unfinished_requests_are_the_waiting_and_the_running_ones():
