@@ -100,10 +100,11 @@ def test_the_committed_scores_are_the_committed_verdicts():
     assert (ROOT / "mutation-scores.md").read_text() == mutate.report_text(mutate.score_rows())
 
 
-def test_every_mutant_called_equivalent_exists_and_survived():
-    """An equivalent mutant is named by mutmut's numbering within its function, which moves when
-    the function's code changes: a name that no longer exists, or that the tests now kill, was
-    left behind by such a change and would be wrongly left out of the score."""
+def test_every_mutant_called_equivalent_or_explained_exists_and_survived():
+    """An equivalent (or explained) mutant is named by mutmut's numbering within its function,
+    which moves when the function's code changes: a name that no longer exists, or that the
+    tests now kill, was left behind by such a change and would be wrongly left out of the
+    score (or explained for nothing)."""
     mutate = load_mutate_script()
     verdicts = {
         name: exit_code
@@ -113,7 +114,7 @@ def test_every_mutant_called_equivalent_exists_and_survived():
     }
     stale = {
         name: verdicts.get(name, "no such mutant")
-        for name in mutate.EQUIVALENT
+        for name in [*mutate.EQUIVALENT, *mutate.SURVIVORS_EXPLAINED]
         if verdicts.get(name, "no such mutant") not in (0, None)  # None: not run yet
     }
     assert stale == {}
