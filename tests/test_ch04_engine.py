@@ -795,3 +795,15 @@ def test_request_ids_never_collide_with_sequence_ids(tiny_dir, tiny_greedy):
     finished = run_to_completion(engine)
     assert [c.token_ids for c in finished["x"].outputs] == [tiny_greedy(x_prompt, 5)] * 2
     assert finished["x#0"].outputs[0].token_ids == tiny_greedy(other_prompt, 5)
+
+
+@pytest.mark.parametrize("enable_prefix_caching", [True, False])
+def test_the_engine_config_reaches_the_block_manager_and_the_scheduler(
+    tiny_dir, enable_prefix_caching
+):
+    """Prefix caching is on exactly when the config says so; without speculative decoding
+    the scheduler reserves no lookahead slot and expects no sampled drafts."""
+    engine = tiny_engine(tiny_dir, enable_prefix_caching=enable_prefix_caching)
+    assert (engine.kv_cache_manager.prefix_cache is not None) is enable_prefix_caching
+    assert engine.scheduler.config.num_lookahead_tokens == 0
+    assert engine.scheduler.config.drafts_are_sampled is False
