@@ -150,6 +150,10 @@ _CORE_DP_SIZE = (
     " an LLMEngine directly, which never reads it (only make_engine and the clients do); the 1"
     " keeps its config truthful"
 )
+_NO_STEP_YET = (
+    "the last step's prefix-cache lookups before any step, (0, 0) -> (1, 0) or (0, 1): only"
+    " their rate is read (get_metrics), hits / queries or 0 without queries, 0.0 for all three"
+)
 _NOTHING_TO_LINGER = (
     "a socket of a core that failed to start closed with linger None (the default, forever)"
     " or 1 ms instead of 0: nothing was ever sent on it, so there is nothing to linger over"
@@ -405,6 +409,8 @@ EQUIVALENT: dict[str, str] = {
         " of POLLIN: a process sentinel is the read end of a pipe, which is never writable, so"
         " only its end of file wakes the poll either way"
     ),
+    "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_77": _NO_STEP_YET,
+    "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_78": _NO_STEP_YET,
     "minivllm.engine.llm_engine.xǁLLMEngineǁstep__mutmut_7": (
         "an empty step's runner output None instead of an empty one: update_from_output reads"
         " it only for the requests scheduled, and an empty step schedules none"
@@ -498,6 +504,10 @@ SURVIVORS_EXPLAINED: dict[str, str] = {
     "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_9": _TENSOR_PARALLEL,
     "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_10": _TENSOR_PARALLEL,
     "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_11": _TENSOR_PARALLEL,
+    "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_12": _TENSOR_PARALLEL,
+    "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_13": _TENSOR_PARALLEL,
+    "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_14": _TENSOR_PARALLEL,
+    "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_15": _TENSOR_PARALLEL,
 }
 
 CHILD_PROCESS_ONLY: dict[str, str] = {
