@@ -31,7 +31,7 @@ from minivllm.config import EngineConfig
 from minivllm.core.prefix_cache import PrefixCacheStats, hash_blocks
 from minivllm.core.scheduler import SpecDecodeStats
 from minivllm.engine import core_client, data_parallel, output_processor
-from minivllm.engine.async_llm import AsyncLLM
+from minivllm.engine.async_llm import AsyncLLM, RequestStream
 from minivllm.engine.core import (
     AbortRequests,
     AbortSequences,
@@ -700,15 +700,6 @@ def test_a_data_parallel_engine_with_outputs_still_to_hand_out_has_unfinished_wo
     assert not engine.has_unfinished_requests()
     engine.pending = [RequestOutput("a", None, [], [], True)]  # read while a call waited
     assert engine.has_unfinished_requests()
-
-
-def test_a_data_parallel_shutdown_runs_its_finalizer_and_leaves_nothing_for_exit(monkeypatch):
-    engine = data_parallel_engine(1)
-    calls = []
-    engine._finalizer = lambda: calls.append("finalized")
-    monkeypatch.setattr(atexit, "unregister", calls.append)
-    engine.shutdown()
-    assert calls == ["finalized", engine._finalizer]
 
 
 def test_a_replicas_failed_message_is_raised_as_its_failure():
@@ -1529,11 +1520,13 @@ def dying_cores():
     sentinel, writer = os.pipe()
     os.close(writer)  # the process ended
     client.cores[1].process = StandInProcess(alive=False, exitcode=-9, sentinel=sentinel)
-    client.cores[0].process = StandInProcess(sentinel=os.pipe()[0])
+    alive_sentinel, alive_writer = os.pipe()  # core 0 lives on
+    client.cores[0].process = StandInProcess(sentinel=alive_sentinel)
     for core in client.cores:
         core.outputs = WatchedSocket()
     client.cores[1].calls.append(Future())
     yield client
+    os.close(alive_writer)
     for core in client.cores:
         os.close(core.process.sentinel)
         os.close(core.outputs.never_readable)
@@ -1716,10 +1709,12 @@ def test_a_shutdown_from_the_output_thread_with_its_directory_gone_ends_quietly(
     assert state.context.terminated == 1
 
 
-def test_an_mp_client_shutdown_runs_its_finalizer_and_leaves_nothing_for_exit(monkeypatch):
-    """The finalizer stops the cores; once it has run, interpreter exit has nothing left to
-    do for this client (a process that makes many clients does not collect their finalizers)."""
-    client = mp_client(1)
+@pytest.mark.parametrize("make_client", [mp_client, data_parallel_engine])
+def test_a_shutdown_runs_its_finalizer_and_leaves_nothing_for_exit(monkeypatch, make_client):
+    """The finalizer stops the cores (the replicas); once it has run, interpreter exit has
+    nothing left to do for this client (a process that makes many clients does not collect
+    their finalizers)."""
+    client = make_client(1)
     calls = []
     client._finalizer = lambda: calls.append("finalized")
     monkeypatch.setattr(atexit, "unregister", calls.append)
@@ -2182,9 +2177,14 @@ class StandInClient(EngineCoreClient):
         pass
 
 
-def core_delta(core_id: str, token_id: int, finished: bool = False) -> RequestOutput:
-    completion = CompletionOutput(0, "", [token_id], finish_reason="length" if finished else None)
-    return RequestOutput(core_id, None, [], [completion], finished)
+def core_delta(core_id: str, token_id: int) -> RequestOutput:
+    """A core's delta: one new token of a request still running."""
+    return RequestOutput(core_id, None, [], [CompletionOutput(0, "", [token_id])], False)
+
+
+async def add_to(llm: AsyncLLM, request_id: str = "r") -> RequestStream:
+    """A request without text, added from within an event loop (asyncio.run(add_to(...)))."""
+    return llm.add_request(request_id, "Hi", NO_TEXT)
 
 
 def test_a_stream_ends_after_raising_its_requests_error():
@@ -2252,28 +2252,21 @@ def test_a_request_is_refused_with_a_clear_error_when_its_id_is_taken_or_the_eng
     is refused as "not running", the core's error as the cause; so after a shutdown."""
     llm = AsyncLLM(StandInClient())
 
-    async def add(request_id: str):
-        return llm.add_request(request_id, "Hi", NO_TEXT)
-
     async def add_twice():
-        await add("a")
-        await add("a")
+        await add_to(llm, "a")
+        await add_to(llm, "a")
 
     with refused(ValueError, "request id 'a' is already in use"):
         asyncio.run(add_twice())
     crash = RuntimeError("the core crashed")
     llm._on_failure(crash)
     with refused(EngineDeadError, "the engine is not running") as raised:
-        asyncio.run(add("b"))
+        asyncio.run(add_to(llm, "b"))
     assert raised.value.__cause__ is crash
     stopped = AsyncLLM(StandInClient())
     stopped.shutdown()
     with refused(EngineDeadError, "the engine is not running"):
         asyncio.run(add_to(stopped))
-
-
-async def add_to(llm: AsyncLLM, request_id: str = "r"):
-    return llm.add_request(request_id, "Hi", NO_TEXT)
 
 
 def test_streams_open_in_a_live_event_loop_keep_another_loop_out():
@@ -2296,12 +2289,8 @@ def test_a_new_event_loop_aborts_the_streams_a_closed_one_left_open():
     processor, and only "b" is left open."""
     client = StandInClient()
     llm = AsyncLLM(client)
-
-    async def add(request_id: str) -> str:
-        return llm.add_request(request_id, "Hi", NO_TEXT).core_id
-
-    left_open = asyncio.run(add("a"))
-    kept = asyncio.run(add("b"))
+    left_open = asyncio.run(add_to(llm, "a")).core_id
+    kept = asyncio.run(add_to(llm, "b")).core_id
     assert client.aborted == [[left_open]]
     assert list(llm.output_processor.requests) == [kept]
     assert llm.num_open_requests == 1 and [r.request_id for r in client.added] == [left_open, kept]
