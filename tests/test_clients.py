@@ -29,12 +29,28 @@ def model_dir(tiny_model_dirs):
     return tiny_model_dirs[ENGINE_TEST_FAMILY]
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
-    config = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", max_model_len=256)
-    server = BackgroundServer(
+def start_server(model_dir: Path, max_model_len: int) -> BackgroundServer:
+    config = EngineConfig(
+        model=str(model_dir), device="cpu", dtype="float32", max_model_len=max_model_len
+    )
+    return BackgroundServer(
         AsyncLLM.from_config(config), ServerSettings(served_model_name=MODEL_NAME)
     )
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    server = start_server(model_dir, max_model_len=256)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def fuzzed_server(model_dir):
+    """A server of its own: its random draws (requests without a seed) start from the engine's
+    seed, whatever ran before. A short context bounds the work of any request the fuzzer makes
+    up: 128 completions of a chat request without max_tokens run to the context's end."""
+    server = start_server(model_dir, max_model_len=64)
     yield server
     server.stop()
 
@@ -113,11 +129,13 @@ def served_gauges(base_url: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_schemathesis_finds_no_server_error(server, tmp_path):
+def test_schemathesis_finds_no_server_error(fuzzed_server, tmp_path):
     """schemathesis reads the served /openapi.json as it is and sends what it documents, and
     what it does not (wrong types, out-of-range values, missing fields): no answer is a 5xx or
     undocumented, and afterwards nothing runs, waits or holds a KV block. Seeded and
-    deterministic, bounded in examples and time."""
+    deterministic, bounded in examples only (about 200 cases): a time limit would make the cases
+    sent depend on the machine's speed. The request timeout is far above the slowest case, so
+    only a hang fails on it."""
     import subprocess
     import sys
     import time
@@ -125,20 +143,18 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
     command = [
         str(Path(sys.executable).with_name("schemathesis")),
         "run",
-        server.base_url + "/openapi.json",
+        fuzzed_server.base_url + "/openapi.json",
         "--checks",
         "not_a_server_error,status_code_conformance,content_type_conformance",
         "--phases",
         "examples,fuzzing",
         "--max-examples",
-        "10",
-        "--max-time",
-        "30",
+        "50",
         "--seed",
         "0",
         "--generation-deterministic",
         "--request-timeout",
-        "30",
+        "120",
         "--workers",
         "1",
         "--no-color",
@@ -146,7 +162,7 @@ def test_schemathesis_finds_no_server_error(server, tmp_path):
     run = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     deadline = time.monotonic() + 30
-    while (gauges := served_gauges(server.base_url)) and any(gauges.values()):
+    while (gauges := served_gauges(fuzzed_server.base_url)) and any(gauges.values()):
         assert time.monotonic() < deadline, gauges
         time.sleep(0.2)
     assert set(gauges) == {

@@ -784,6 +784,32 @@ def test_a_temperature_past_float32s_range_keeps_masked_tokens_out():
 # --- the distributions and logprobs chapter 08's verifier reads ---
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 1e308])
+def test_a_repetition_penalty_past_float32s_range_makes_seen_tokens_unlikely_not_impossible(
+    temperature,
+):
+    """A repetition penalty of 6e307 is a valid float but inf in float32, and a negative logit
+    times inf is -inf: where the grammar leaves only tokens already seen, every one of them
+    went to -inf and the request failed with "no token can be sampled" (the server answered
+    500). In exact arithmetic they are very unlikely, not impossible: each stays the lowest
+    finite float32 (too low for float32 to tell them apart: they tie), so the row still
+    samples one of them, and never a masked token; a positive logit / inf is 0 as before."""
+    inf = math.inf
+    logits = torch.tensor([[-inf, -3.0, -inf, -1.0, 2.0]])
+    lowest = torch.finfo(torch.float32).min
+    params = SamplingParams(temperature=temperature, repetition_penalty=6e307)
+    seeded = [dataclasses.replace(params, seed=seed) for seed in range(32)]
+    rows = [sampling_row(row_params, prompt=[1, 3]) for row_params in seeded]
+
+    penalised = apply_penalties(logits, [[1, 3, 4]], [[]], *torch.tensor([[6e307], [0.0], [0.0]]))
+    only_seen_left = logits[:, :4].expand(32, 4)
+    output = Sampler()(only_seen_left, rows)
+
+    assert penalised.tolist() == [[-inf, lowest, -inf, lowest, 0.0]]
+    assert output.errors == [None] * 32
+    assert set(output.token_ids) <= {1, 3}
+
+
 def test_probabilities_are_the_distributions_the_rows_draw_from():
     """Greedy: one-hot at the argmax of the adjusted logits (here a repetition penalty moves
     it from token 0 to token 1); random: the softmax of the logits after temperature and

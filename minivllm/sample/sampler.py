@@ -105,6 +105,10 @@ def apply_penalties(
 
     Repetition divides positive logits and multiplies negative ones, so either way a token that
     was seen becomes less likely. Frequency grows with each repeat; presence is a flat charge.
+
+    A penalty makes a token unlikely, never impossible: a product past float32's range (a
+    penalty of 1e308 is inf in float32) stops at the lowest finite float32 instead of -inf,
+    where a grammar leaving only seen tokens would have nothing left to sample.
     """
     vocab_size = logits.shape[-1]
     prompt_counts = _token_counts(prompt_token_ids, vocab_size, logits.device)
@@ -115,6 +119,8 @@ def apply_penalties(
 
     seen = (prompt_counts > 0) | (output_counts > 0)
     discouraged = torch.where(logits > 0, logits / repetition, logits * repetition)
+    overflowed = discouraged.isneginf() & logits.isfinite()  # a masked -inf stays -inf
+    discouraged = discouraged.masked_fill(overflowed, torch.finfo(torch.float32).min)
     logits = torch.where(seen, discouraged, logits)
     return logits - frequency * output_counts - presence * (output_counts > 0).float()
 
