@@ -807,3 +807,61 @@ def test_the_engine_config_reaches_the_block_manager_and_the_scheduler(
     assert (engine.kv_cache_manager.prefix_cache is not None) is enable_prefix_caching
     assert engine.scheduler.config.num_lookahead_tokens == 0
     assert engine.scheduler.config.drafts_are_sampled is False
+
+
+@pytest.mark.parametrize(
+    "speculative_config, lookahead, drafts_are_sampled",
+    [
+        ({"method": "ngram", "num_speculative_tokens": 2}, 0, False),
+        ({"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}, 2, True),
+        ({"method": "layer_skip", "num_draft_layers": 1, "num_speculative_tokens": 3}, 3, True),
+    ],
+    ids=["ngram", "draft_model", "layer_skip"],
+)
+def test_the_speculative_config_reaches_the_scheduler(
+    tiny_dir, speculative_config, lookahead, drafts_are_sampled
+):
+    """Chapter 08: a draft model (a model of its own, or the target's first layers) writes the
+    K/V of its guesses past the grant and draws them from its own q, which the scheduler must
+    know (it keeps a sampled draft the grammar forbids, for the verifier to reject); an n-gram
+    lookup does neither."""
+    if speculative_config.get("model") == "tiny":
+        speculative_config = speculative_config | {"model": str(tiny_dir)}
+    config = EngineConfig(
+        model=str(tiny_dir),
+        dtype="float32",
+        device="cpu",
+        kv_cache_memory_bytes=pool_bytes(tiny_dir, 64, 4),
+        speculative_config=speculative_config,
+    )
+    engine = LLMEngine(config)  # its pool is shared with the draft's K/V
+    assert engine.scheduler.config.num_lookahead_tokens == lookahead
+    assert engine.scheduler.config.drafts_are_sampled is drafts_are_sampled
+
+
+def test_the_models_own_eos_ids_stop_a_request_as_the_tokenizers_does(
+    tiny_dir, tmp_path, tiny_greedy
+):
+    """A model's config may name EOS ids its tokenizer does not (Llama 3's lists three): each
+    ends a request with "stop". The tiny model's config is given a second EOS, the token its
+    greedy continuation reaches fourth; the engine stops there, transformers' tokens up to it."""
+    prompt = random_prompt(5, 7)
+    plain = tiny_greedy(prompt, 12)
+    position = next(i for i, token in enumerate(plain) if i >= 3 and token not in plain[:i])
+    model_dir = tmp_path / "two_eos"
+    model_dir.mkdir()
+    for path in tiny_dir.iterdir():
+        (model_dir / path.name).symlink_to(path)
+    config = json.loads((tiny_dir / "config.json").read_text())
+    (model_dir / "config.json").unlink()
+    extra_eos = plain[position]
+    config["eos_token_id"] = [extra_eos, EOS_TOKEN_ID]
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+    engine = tiny_engine(model_dir)
+    engine.add_request("r", {"prompt_token_ids": prompt}, greedy(12))
+    output = run_to_completion(engine)["r"].outputs[0]
+
+    assert extra_eos != EOS_TOKEN_ID and EOS_TOKEN_ID not in plain[: position + 1]
+    assert output.token_ids == plain[: position + 1]
+    assert output.finish_reason == "stop"
