@@ -623,11 +623,9 @@ def run_group(group: str, retest: bool = False, jobs: int = 1) -> int:
     command = [str(mutmut), "run", "--max-children", str(jobs)]
     if retest:
         # mutmut keeps a survivor's verdict until it is named again (new tests do not reset
-        # it): name every mutant not killed yet.
-        names = not_killed(group)
-        if not names:
-            return 0
-        command += names
+        # it): name every mutant not killed yet. With none to name, the plain run still runs
+        # the mutants of functions changed since their verdicts (mutmut compares their hashes).
+        command += not_killed(group)
     print(f"== {group}: {' '.join(command)} (in {workdir.relative_to(ROOT)})", flush=True)
     status = subprocess.call(command, cwd=workdir, env=test_environment(group))
     sync_verdicts(group)
