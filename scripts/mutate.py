@@ -509,16 +509,6 @@ SURVIVORS_EXPLAINED: dict[str, str] = {
     "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_13": _TENSOR_PARALLEL,
     "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_14": _TENSOR_PARALLEL,
     "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_15": _TENSOR_PARALLEL,
-    "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_54": (
-        "drafts_are_sampled left at its default (False): it differs only with a draft model"
-        " (draft_model, layer_skip), and no test of the engine group builds an LLMEngine with"
-        " one; a test to write"
-    ),
-    "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_69": (
-        "the config's EOS ids dropped, the tokenizer's kept: the test models' configs name the"
-        " tokenizer's EOS and no other, so no test sees it; a model whose config lists more (as"
-        " Llama 3's does) would not stop at them. A test with such a config is to write"
-    ),
 }
 
 CHILD_PROCESS_ONLY: dict[str, str] = {
