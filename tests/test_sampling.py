@@ -22,6 +22,7 @@ from minivllm.sample.sampler import (
     SamplingRow,
     apply_min_p,
     apply_penalties,
+    apply_temperature,
     apply_top_k,
     apply_top_p,
     make_generator,
@@ -784,7 +785,7 @@ def test_a_temperature_past_float32s_range_keeps_masked_tokens_out():
 # --- the distributions and logprobs chapter 08's verifier reads ---
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0, 1e308])
+@pytest.mark.parametrize("temperature", [0.0, 2e-5, 0.5, 1.0, 1e308])
 def test_a_repetition_penalty_past_float32s_range_makes_seen_tokens_unlikely_not_impossible(
     temperature,
 ):
@@ -808,6 +809,25 @@ def test_a_repetition_penalty_past_float32s_range_makes_seen_tokens_unlikely_not
     assert penalised.tolist() == [[-inf, lowest, -inf, lowest, 0.0]]
     assert output.errors == [None] * 32
     assert set(output.token_ids) <= {1, 3}
+
+
+def test_a_temperature_holds_finite_logits_inside_float32s_range():
+    """Dividing by a temperature below 1 can push a finite logit past float32's range: as -inf
+    a token could no longer be drawn (a row of seen tokens held at the lowest float32 by a huge
+    repetition penalty went all -inf and drew masked token 0), as +inf the softmax is NaN (an
+    offline logit_bias of 3e38 at T=0.5 drew masked token 0). Each is held at the range's end;
+    -inf stays -inf."""
+    inf, finfo = math.inf, torch.finfo(torch.float32)
+    logits = torch.tensor([[-inf, -3e38, 3e38, 1.0], [-inf, -3e38, 3e38, 1.0]])
+
+    scaled = apply_temperature(logits, torch.tensor([0.5, 1e308]))
+    params = [SamplingParams(temperature=0.5, logit_bias={1: 3e38}, seed=seed) for seed in range(8)]
+    tokens = Sampler()(torch.tensor([[-inf, 1.0, 2.0]] * 8), [sampling_row(p) for p in params])
+
+    assert scaled[0].tolist() == [-inf, finfo.min, finfo.max, 2.0]
+    assert scaled[1, 0] == -inf
+    assert scaled[1, 1:].tolist() == pytest.approx([-3e38 / finfo.max, 3e38 / finfo.max, 0.0])
+    assert tokens.token_ids == [1] * 8
 
 
 def test_probabilities_are_the_distributions_the_rows_draw_from():

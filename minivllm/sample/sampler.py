@@ -168,6 +168,22 @@ def sanitize_logits(logits: torch.Tensor, forbidden: torch.Tensor) -> torch.Tens
     return torch.where(has_sure, sure_or_nothing, logits)
 
 
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature, in float32's range: -inf stays the mark of a token
+    that cannot be drawn, and no finite logit becomes one.
+
+    A temperature past float32's largest number (1e308 is a valid float) would be inf, and
+    -inf / inf is NaN: it is held at the largest, where every finite logit goes to about 0 (the
+    uniform distribution such a temperature means). A logit the division pushes past the range
+    (float32's lowest over 0.5) is held at the range's end: as -inf it could leave a row with
+    nothing to draw, as +inf it would turn the softmax into NaN.
+    """
+    finfo = torch.finfo(torch.float32)
+    temperature = temperature.to(logits.device, torch.float32).clamp_max(finfo.max)
+    scaled = logits / temperature.unsqueeze(1)
+    return torch.where(logits.isfinite(), scaled.clamp(finfo.min, finfo.max), scaled)
+
+
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Keep each row's k largest logits; k <= 0 or k >= vocab leaves the row alone.
 
@@ -351,12 +367,9 @@ class Sampler:
             return [], adjusted[:0]
         params = [rows[i] for i in random_rows]
         logits, device = adjusted[random_rows], adjusted.device
-        # A temperature past float32's largest number (1e308 is a valid float) would become inf,
-        # and -inf / inf is NaN: a masked token would come back. At float32's largest, every
-        # finite logit goes to about 0 (the uniform distribution such a temperature means) and
-        # -inf stays -inf.
-        temperatures = _param_tensor(params, "temperature", torch.float32, device)
-        logits = logits / temperatures.clamp_max(torch.finfo(torch.float32).max).unsqueeze(1)
+        logits = apply_temperature(
+            logits, _param_tensor(params, "temperature", torch.float32, device)
+        )
         logits = apply_top_k(logits, _param_tensor(params, "top_k", torch.long, device))
         logits = apply_top_p(logits, _param_tensor(params, "top_p", torch.float32, device))
         return random_rows, apply_min_p(
