@@ -119,7 +119,7 @@ def apply_penalties(
 
     seen = (prompt_counts > 0) | (output_counts > 0)
     discouraged = torch.where(logits > 0, logits / repetition, logits * repetition)
-    overflowed = discouraged.isneginf() & logits.isfinite()  # a masked -inf stays -inf
+    overflowed = discouraged.isneginf() & ~logits.isneginf()  # a masked -inf stays -inf
     discouraged = discouraged.masked_fill(overflowed, torch.finfo(torch.float32).min)
     logits = torch.where(seen, discouraged, logits)
     return logits - frequency * output_counts - presence * (output_counts > 0).float()
@@ -181,7 +181,8 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     finfo = torch.finfo(torch.float32)
     temperature = temperature.to(logits.device, torch.float32).clamp_max(finfo.max)
     scaled = logits / temperature.unsqueeze(1)
-    return torch.where(logits.isfinite(), scaled.clamp(finfo.min, finfo.max), scaled)
+    # -inf is the only logit here that is not finite (sanitize_logits took NaN and +inf away).
+    return scaled.clamp(finfo.min, finfo.max).masked_fill(logits.isneginf(), float("-inf"))
 
 
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

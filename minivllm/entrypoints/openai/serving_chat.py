@@ -269,13 +269,18 @@ async def without_repeated_calls(
     calls, and a model may repeat one until max_tokens (greedy decoding of a small model
     does); a second identical call asks for nothing the first did not, so the choice ends
     before it ("stop": its calls are the distinct ones before), as if the array had closed
-    there. Once every choice has ended, the streams are closed (aborting what still runs)."""
+    there. Once every choice has ended, the streams are closed (aborting what still runs).
+
+    The engine can run ahead of this reader and finish a choice (at max_tokens, or closing the
+    array) before its repeat is read: that choice is cut all the same, so the answer does not
+    depend on timing. Only its usage does (the tokens the engine generated meanwhile)."""
     ended: dict[int, CompletionOutput] = {}
     try:
         async for index, output in outputs:
             completions = []
             for completion in output.outputs:
-                if completion.index not in ended and completion.finish_reason is None:
+                cuttable = completion.finish_reason in (None, "stop", "length")
+                if completion.index not in ended and cuttable:
                     calls = complete_calls(completion.text)
                     distinct = first_distinct(calls)
                     if len(distinct) < len(calls):
