@@ -285,6 +285,7 @@ EQUIVALENT: dict[str, str] = {
     "minivllm.sample.sampler.x_sanitize_logits__mutmut_30": _MINUS_INF,
     "minivllm.sample.sampler.x_apply_top_k__mutmut_49": _MINUS_INF,
     "minivllm.sample.sampler.x_apply_top_p__mutmut_59": _MINUS_INF,
+    "minivllm.sample.sampler.x_apply_temperature__mutmut_23": _MINUS_INF,
     "minivllm.sample.sampler.x_apply_min_p__mutmut_27": _MINUS_INF,
     "minivllm.sample.sampler.x_apply_penalties__mutmut_21": _SAME_DTYPE,
     "minivllm.sample.sampler.x_apply_temperature__mutmut_6": _SAME_DTYPE,
