@@ -496,7 +496,6 @@ EQUIVALENT: dict[str, str] = {
     ),
 }
 
-# Functions that run only in a child process, by the prefix of their mutants' names -> why.
 # Survivors with the reason they live: tests outside the group that kill them (checked by
 # hand, the mutant written into the source), or the test still to write. They still count as
 # survivors: the score says what the group's own tests catch.
@@ -516,6 +515,7 @@ SURVIVORS_EXPLAINED: dict[str, str] = {
     "minivllm.engine.llm_engine.xǁLLMEngineǁ__init____mutmut_15": _TENSOR_PARALLEL,
 }
 
+# Functions that run only in a child process, by the prefix of their mutants' names -> why.
 CHILD_PROCESS_ONLY: dict[str, str] = {
     "minivllm.engine.core.x_run_engine_core__mutmut_": (
         "the engine-core process's body (sockets, Ready, the loop, Failed on an error)"

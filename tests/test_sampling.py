@@ -782,9 +782,6 @@ def test_a_temperature_past_float32s_range_keeps_masked_tokens_out():
     assert set(tokens) == {1, 3}
 
 
-# --- the distributions and logprobs chapter 08's verifier reads ---
-
-
 @pytest.mark.parametrize("temperature", [0.0, 2e-5, 0.5, 1.0, 1e308])
 def test_a_repetition_penalty_past_float32s_range_makes_seen_tokens_unlikely_not_impossible(
     temperature,
@@ -828,6 +825,9 @@ def test_a_temperature_holds_finite_logits_inside_float32s_range():
     assert scaled[1, 0] == -inf
     assert scaled[1, 1:].tolist() == pytest.approx([-3e38 / finfo.max, 3e38 / finfo.max, 0.0])
     assert tokens.token_ids == [1] * 8
+
+
+# --- the distributions and logprobs chapter 08's verifier reads ---
 
 
 def test_probabilities_are_the_distributions_the_rows_draw_from():

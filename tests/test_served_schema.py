@@ -102,9 +102,9 @@ def served(tiny_model_dirs):
 
 @pytest.fixture
 def fuzzed(tiny_model_dirs):
-    """An app of its own for each operation's fuzz test: the engine's random draws (requests
-    without a seed) start from its seed, whichever tests ran before on this worker, so a
-    failure comes back on every run."""
+    """An app of its own for the fuzz test (its operations run one after another on it): the
+    engine's random draws (requests without a seed) start from its seed, whichever tests ran
+    before on this worker, so a failure comes back on every run."""
     with served_app(tiny_model_dirs[ENGINE_TEST_FAMILY], **FUZZ_ENGINE_SETTINGS) as fuzzed:
         yield fuzzed
 

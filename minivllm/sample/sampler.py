@@ -181,7 +181,8 @@ def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.
     finfo = torch.finfo(torch.float32)
     temperature = temperature.to(logits.device, torch.float32).clamp_max(finfo.max)
     scaled = logits / temperature.unsqueeze(1)
-    # -inf is the only logit here that is not finite (sanitize_logits took NaN and +inf away).
+    # -inf is the only logit here that is not finite: the sampler's fast path has none, and
+    # otherwise sanitize_logits took NaN and +inf away.
     return scaled.clamp(finfo.min, finfo.max).masked_fill(logits.isneginf(), float("-inf"))
 
 
